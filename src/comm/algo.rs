@@ -1,0 +1,318 @@
+//! The collective algorithms, written once over [`Transport`] and used by every backend.
+//!
+//! Cost model for a message of B bytes on n ranks (α = per-message latency, β = seconds per byte):
+//!   naive all_reduce (reduce to rank 0, then send back)  2(n−1)·(α + B·β) at the root
+//!   ring all_reduce (reduce-scatter + all-gather)         2(n−1)·α + 2·(n−1)/n·B·β per rank
+//!   binomial-tree broadcast                                ⌈log2 n⌉·(α + B·β), pipelined in chunks
+//! Large messages travel as frames of at most `chunk` bytes, so the next hop can start on chunk
+//! k while chunk k+1 is still on the wire (pipelining).
+
+use super::dtype::{self, ReduceOp};
+use super::error::{CommError, CommResult};
+use super::frame::{BufPool, Frame, OpDesc};
+use super::transport::Transport;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Bytes this rank put on and took off the wire.
+#[derive(Default, Debug)]
+pub(crate) struct Counters {
+    pub sent: AtomicU64,
+    pub received: AtomicU64,
+}
+
+/// Everything an algorithm needs for one operation.
+pub(crate) struct Ctx<'a> {
+    pub t: &'a dyn Transport,
+    pub rank: usize,
+    pub n: usize,
+    pub desc: OpDesc,
+    pub timeout: Duration,
+    /// Frame payload size in bytes (a multiple of the element size).
+    pub chunk: usize,
+    pub counters: &'a Counters,
+    pub pool: &'a Arc<BufPool>,
+}
+
+impl Ctx<'_> {
+    fn esize(&self) -> usize {
+        self.desc.dtype.size()
+    }
+    /// Send `bytes` to `peer` as frames of at most `chunk` bytes (one empty frame if empty).
+    pub fn send(&self, peer: usize, bytes: &[u8]) -> CommResult<()> {
+        if bytes.is_empty() {
+            return self.send_frame(peer, bytes);
+        }
+        bytes.chunks(self.chunk).try_for_each(|c| self.send_frame(peer, c))
+    }
+    fn send_frame(&self, peer: usize, bytes: &[u8]) -> CommResult<()> {
+        self.counters.sent.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.t.send(peer, &self.desc, bytes)
+    }
+    /// Next frame from `peer`, checked against our own description and `room` bytes left to fill.
+    fn recv_frame(&self, peer: usize, room: usize) -> CommResult<Frame> {
+        let f = self.t.recv(peer, self.timeout, &|| format!("{}", self.desc))?;
+        if f.desc != self.desc {
+            return Err(CommError::Mismatch(format!(
+                "rank {} is running {} but rank {peer} sent data for {}",
+                self.rank, self.desc, f.desc
+            )));
+        }
+        let len = f.payload.bytes().len();
+        if len > room || len % self.esize() != 0 || (len == 0 && room > 0) {
+            return Err(CommError::Protocol(format!(
+                "rank {peer} sent a {len}-byte frame where rank {} expected at most {room} bytes in {}",
+                self.rank, self.desc
+            )));
+        }
+        self.counters.received.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(f)
+    }
+    /// Receive exactly `dst.len()` bytes from `peer` into `dst`.
+    pub fn recv_into(&self, peer: usize, dst: &mut [u8]) -> CommResult<()> {
+        self.recv_apply(peer, dst.len(), |off, b| dst[off..off + b.len()].copy_from_slice(b))
+    }
+    /// Receive `dst.len()` bytes from `peer`, combining them into `dst` with `op`.
+    pub fn recv_reduce(&self, peer: usize, dst: &mut [u8], op: ReduceOp) -> CommResult<()> {
+        let dt = self.desc.dtype;
+        self.recv_apply(peer, dst.len(), |off, b| dtype::reduce_into(dt, op, &mut dst[off..off + b.len()], b))
+    }
+    fn recv_apply(&self, peer: usize, total: usize, mut f: impl FnMut(usize, &[u8])) -> CommResult<()> {
+        let mut off = 0;
+        loop {
+            let fr = self.recv_frame(peer, total - off)?;
+            let b = fr.payload.bytes();
+            f(off, b);
+            off += b.len();
+            if off == total {
+                return Ok(());
+            }
+        }
+    }
+
+    /// One ring step inside one buffer: send `buf[send]` to the next rank while receiving
+    /// `recv.len()` bytes from the previous one into `buf[recv]` (the ranges are disjoint).
+    fn ring_step(&self, buf: &mut [u8], send: Range<usize>, recv: Range<usize>, apply: impl FnMut(&mut [u8], usize, &[u8])) -> CommResult<()> {
+        if send.end <= recv.start {
+            let (lo, hi) = buf.split_at_mut(recv.start);
+            self.ring_exchange(&lo[send], &mut hi[..recv.len()], apply)
+        } else {
+            let (lo, hi) = buf.split_at_mut(send.start);
+            self.ring_exchange(&hi[..send.len()], &mut lo[recv], apply)
+        }
+    }
+
+    /// Send `send` to the next rank while filling `dst` from the previous one, chunk by chunk
+    /// (`apply(dst, offset, bytes)` consumes each arriving chunk). Both sides move at once: our
+    /// writes go out while the reader thread is already receiving.
+    fn ring_exchange(&self, send: &[u8], dst: &mut [u8], mut apply: impl FnMut(&mut [u8], usize, &[u8])) -> CommResult<()> {
+        let (next, prev) = ((self.rank + 1) % self.n, (self.rank + self.n - 1) % self.n);
+        let (slen, rlen) = (send.len(), dst.len());
+        let (mut s, mut r) = (0usize, 0usize);
+        let (mut sent_any, mut recv_any) = (false, false);
+        while !(sent_any && s >= slen) || !(recv_any && r >= rlen) {
+            if !sent_any || s < slen {
+                let e = (s + self.chunk).min(slen);
+                self.send_frame(next, &send[s..e])?;
+                s = e;
+                sent_any = true;
+            }
+            if !recv_any || r < rlen {
+                let fr = self.recv_frame(prev, rlen - r)?;
+                let b = fr.payload.bytes();
+                apply(dst, r, b);
+                r += b.len();
+                recv_any = true;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Byte range of segment `i` when `numel` elements are split over `n` ranks as evenly as possible.
+pub fn segment(numel: usize, n: usize, i: usize, esize: usize) -> Range<usize> {
+    let (a, b) = (numel * i / n, numel * (i + 1) / n);
+    a * esize..b * esize
+}
+
+/// Parent and children of relative rank `v` (= (rank − root) mod n) in a binomial broadcast tree.
+/// Children are listed biggest subtree first.
+pub fn binomial_tree(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
+    let (parent, mask) = if v == 0 { (None, n.next_power_of_two()) } else { (Some(v - (v & v.wrapping_neg())), v & v.wrapping_neg()) };
+    let mut children = Vec::new();
+    let mut m = mask >> 1;
+    while m > 0 {
+        if v + m < n {
+            children.push(v + m);
+        }
+        m >>= 1;
+    }
+    (parent, children)
+}
+
+// ---------------------------------------------------------------- barrier, p2p
+
+pub(crate) fn barrier(c: &Ctx) -> CommResult<()> {
+    if c.rank == 0 {
+        (1..c.n).try_for_each(|p| c.recv_into(p, &mut []))?;
+        (1..c.n).try_for_each(|p| c.send(p, &[]))
+    } else {
+        c.send(0, &[])?;
+        c.recv_into(0, &mut [])
+    }
+}
+
+// ---------------------------------------------------------------- broadcast
+
+pub(crate) fn broadcast_naive(c: &Ctx, buf: &mut [u8], root: usize) -> CommResult<()> {
+    if c.rank == root {
+        (0..c.n).filter(|p| *p != root).try_for_each(|p| c.send(p, buf))
+    } else {
+        c.recv_into(root, buf)
+    }
+}
+
+pub(crate) fn broadcast_tree(c: &Ctx, buf: &mut [u8], root: usize) -> CommResult<()> {
+    let v = (c.rank + c.n - root) % c.n;
+    let (parent, children) = binomial_tree(v, c.n);
+    let children: Vec<usize> = children.into_iter().map(|k| (k + root) % c.n).collect();
+    let forward = |bytes: &[u8]| children.iter().try_for_each(|&k| c.send_frame(k, bytes));
+    let Some(pv) = parent else {
+        return if buf.is_empty() { forward(buf) } else { buf.chunks(c.chunk).try_for_each(forward) };
+    };
+    // Forward each chunk down the tree as soon as it arrives (pipelining).
+    let parent = (pv + root) % c.n;
+    let total = buf.len();
+    let mut off = 0;
+    loop {
+        let fr = c.recv_frame(parent, total - off)?;
+        let b = fr.payload.bytes();
+        forward(b)?;
+        buf[off..off + b.len()].copy_from_slice(b);
+        off += b.len();
+        if off == total {
+            return Ok(());
+        }
+    }
+}
+
+// ---------------------------------------------------------------- all_reduce
+
+pub(crate) fn all_reduce_naive(c: &Ctx, buf: &mut [u8], op: ReduceOp) -> CommResult<()> {
+    if c.rank != 0 {
+        c.send(0, buf)?;
+        return c.recv_into(0, buf);
+    }
+    // buf: (numel,) — rank 0 receives n−1 full copies and sends n−1 back: 2(n−1)·B through one link.
+    (1..c.n).try_for_each(|p| c.recv_reduce(p, buf, op))?;
+    if op == ReduceOp::Avg {
+        dtype::divide(c.desc.dtype, buf, c.n);
+    }
+    (1..c.n).try_for_each(|p| c.send(p, buf))
+}
+
+pub(crate) fn all_reduce_ring(c: &Ctx, buf: &mut [u8], op: ReduceOp) -> CommResult<()> {
+    let (n, r, es, dt) = (c.n, c.rank, c.esize(), c.desc.dtype);
+    let numel = buf.len() / es;
+    let seg = |i: usize| segment(numel, n, i % n, es);
+    // Reduce-scatter: after n−1 steps rank r holds the full reduction of segment r+1.
+    for s in 0..n - 1 {
+        c.ring_step(buf, seg(r + n - s), seg(r + 2 * n - s - 1), |d, off, b| dtype::reduce_into(dt, op, &mut d[off..off + b.len()], b))?;
+    }
+    if op == ReduceOp::Avg {
+        dtype::divide(dt, &mut buf[seg(r + 1)], n);
+    }
+    // All-gather: pass the finished segments around the ring.
+    for s in 0..n - 1 {
+        c.ring_step(buf, seg(r + 1 + n - s), seg(r + n - s), |d, off, b| d[off..off + b.len()].copy_from_slice(b))?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- all_gather
+
+/// `out` holds n blocks of `input.len()` bytes; block i ends up with rank i's input.
+pub(crate) fn all_gather_naive(c: &Ctx, out: &mut [u8], input: &[u8]) -> CommResult<()> {
+    let m = input.len();
+    if c.rank != 0 {
+        c.send(0, input)?;
+        return c.recv_into(0, out);
+    }
+    out[..m].copy_from_slice(input);
+    (1..c.n).try_for_each(|p| c.recv_into(p, &mut out[p * m..(p + 1) * m]))?;
+    (1..c.n).try_for_each(|p| c.send(p, out))
+}
+
+pub(crate) fn all_gather_ring(c: &Ctx, out: &mut [u8], input: &[u8]) -> CommResult<()> {
+    let (n, r, m) = (c.n, c.rank, input.len());
+    if out[r * m..].as_ptr() != input.as_ptr() {
+        out[r * m..(r + 1) * m].copy_from_slice(input);
+    }
+    let blk = |i: usize| (i % n) * m..(i % n + 1) * m;
+    for s in 0..n - 1 {
+        c.ring_step(out, blk(r + n - s), blk(r + 2 * n - s - 1), |d, off, b| d[off..off + b.len()].copy_from_slice(b))?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- reduce_scatter
+
+/// `input` holds n blocks of `out.len()` bytes; `out` receives the reduction of every rank's block r.
+pub(crate) fn reduce_scatter_naive(c: &Ctx, out: &mut [u8], input: &[u8], op: ReduceOp) -> CommResult<()> {
+    let m = out.len();
+    if c.rank != 0 {
+        c.send(0, input)?;
+        return c.recv_into(0, out);
+    }
+    let mut acc = c.pool.get(input.len());
+    let acc = acc.bytes_mut();
+    acc.copy_from_slice(input);
+    (1..c.n).try_for_each(|p| c.recv_reduce(p, acc, op))?;
+    if op == ReduceOp::Avg {
+        dtype::divide(c.desc.dtype, acc, c.n);
+    }
+    (1..c.n).try_for_each(|p| c.send(p, &acc[p * m..(p + 1) * m]))?;
+    out.copy_from_slice(&acc[..m]);
+    Ok(())
+}
+
+pub(crate) fn reduce_scatter_ring(c: &Ctx, out: &mut [u8], input: &[u8], op: ReduceOp) -> CommResult<()> {
+    let (n, r, m, dt) = (c.n, c.rank, out.len(), c.desc.dtype);
+    let blk = |i: usize| (i % n) * m..(i % n + 1) * m;
+    // Step s sends the partial sum of block r−s−1 and receives block r−s−2; partial sums live in
+    // two scratch buffers (never in `input`, which the caller keeps), the last step lands in `out`.
+    let mut cur = c.pool.get(m);
+    let mut next = c.pool.get(m);
+    cur.bytes_mut().copy_from_slice(&input[blk(r + n - 1)]);
+    for s in 0..n - 1 {
+        let rb = blk(r + 2 * n - s - 2);
+        let last = s == n - 2;
+        let dst: &mut [u8] = if last { &mut *out } else { next.bytes_mut() };
+        c.ring_exchange(cur.bytes(), dst, |d, off, b| {
+            d[off..off + b.len()].copy_from_slice(&input[rb.start + off..rb.start + off + b.len()]);
+            dtype::reduce_into(dt, op, &mut d[off..off + b.len()], b);
+        })?;
+        if !last {
+            std::mem::swap(&mut cur, &mut next);
+        }
+    }
+    if n == 1 {
+        out.copy_from_slice(input);
+    }
+    if op == ReduceOp::Avg {
+        dtype::divide(dt, out, n);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- point to point
+
+pub(crate) fn send(c: &Ctx, peer: usize, buf: &[u8]) -> CommResult<()> {
+    c.send(peer, buf)
+}
+
+pub(crate) fn recv(c: &Ctx, peer: usize, buf: &mut [u8]) -> CommResult<()> {
+    c.recv_into(peer, buf)
+}

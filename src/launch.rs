@@ -1,0 +1,340 @@
+//! Start a job: `spawn(world_size, backend, f)` runs `f` on every rank and returns every rank's
+//! result, like `torch.multiprocessing.spawn`.
+//!
+//! * `Backend::Local` — ranks are threads of this process.
+//! * `Backend::Tcp` — ranks are child processes: the current executable is started again with
+//!   RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK set (as torchrun would). The child runs
+//!   `main` again up to the same `spawn` call, which then runs `f` for its rank, hands the result
+//!   (serialised as JSON) back to the parent and exits. Keep work you don't want repeated in the
+//!   children after the `spawn` call, or skip it with [`is_spawned_child`].
+//!
+//! A rank that panics, returns an error or exits becomes an error for the caller naming the rank;
+//! the other ranks notice through the communication layer (their peer is gone) and fail too.
+
+use crate::comm::{Backend, CommConfig, ProcessGroup, TcpInit};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+const ENV_CHILD: &str = "SHARDLAB_SPAWN_CHILD";
+const ENV_RESULT: &str = "SHARDLAB_SPAWN_RESULT";
+const ENV_CONFIG: &str = "SHARDLAB_SPAWN_CONFIG";
+
+static SPAWN_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// How to run the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Launch {
+    /// Threads of this process.
+    Threads,
+    /// Child processes running this executable again.
+    Processes,
+}
+
+/// Options of [`spawn_with`].
+#[derive(Clone, Debug)]
+pub struct SpawnOptions {
+    pub world_size: usize,
+    pub backend: Backend,
+    /// Default: threads for `Local`, processes for `Tcp`. (`Tcp` over threads is allowed: handy in tests.)
+    pub launch: Launch,
+    pub config: CommConfig,
+    /// libtorch intra-op threads per rank (default 1 when several ranks share the machine,
+    /// `SHARDLAB_NUM_THREADS` overrides).
+    pub threads_per_rank: Option<i32>,
+    /// How long survivors may take to fail after one rank failed before they are killed.
+    pub grace: Duration,
+    /// Arguments for the child processes (default: this process's own). Tests pass
+    /// `["--exact", "<test name>", "--nocapture"]` so a child re-runs only the calling test.
+    pub child_args: Option<Vec<String>>,
+}
+
+impl SpawnOptions {
+    pub fn new(world_size: usize, backend: Backend) -> Self {
+        let config = CommConfig::default();
+        SpawnOptions {
+            world_size,
+            backend,
+            launch: if backend == Backend::Local { Launch::Threads } else { Launch::Processes },
+            grace: config.timeout + Duration::from_secs(5),
+            config,
+            threads_per_rank: None,
+            child_args: None,
+        }
+    }
+    pub fn launch(mut self, l: Launch) -> Self {
+        self.launch = l;
+        self
+    }
+    pub fn child_args(mut self, args: Vec<String>) -> Self {
+        self.child_args = Some(args);
+        self
+    }
+    pub fn config(mut self, c: CommConfig) -> Self {
+        self.grace = c.timeout + Duration::from_secs(5);
+        self.config = c;
+        self
+    }
+}
+
+/// Why a launch failed: one line per rank that did not succeed.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", .failures.iter().map(|(r, m)| format!("rank {r}: {m}")).collect::<Vec<_>>().join("\n"))]
+pub struct LaunchError {
+    pub failures: Vec<(usize, String)>,
+}
+
+impl LaunchError {
+    fn one(msg: impl Into<String>) -> Self {
+        LaunchError { failures: vec![(0, msg.into())] }
+    }
+}
+
+/// True inside a rank process started by [`spawn`].
+pub fn is_spawned_child() -> bool {
+    std::env::var_os(ENV_CHILD).is_some()
+}
+
+/// Run `f` on `world_size` ranks of `backend` and collect the results in rank order.
+pub fn spawn<R, F>(world_size: usize, backend: Backend, f: F) -> Result<Vec<R>, LaunchError>
+where
+    R: Serialize + DeserializeOwned + Send,
+    F: Fn(&ProcessGroup) -> anyhow::Result<R> + Send + Sync,
+{
+    spawn_with(SpawnOptions::new(world_size, backend), f)
+}
+
+fn set_threads(opts: &SpawnOptions, ranks_here: usize) {
+    let n = std::env::var("SHARDLAB_NUM_THREADS").ok().and_then(|v| v.parse().ok()).or(opts.threads_per_rank);
+    match n {
+        Some(n) => tch::set_num_threads(n),
+        None if ranks_here > 1 => tch::set_num_threads(1),
+        None => {}
+    }
+}
+
+/// [`spawn`] with options.
+pub fn spawn_with<R, F>(opts: SpawnOptions, f: F) -> Result<Vec<R>, LaunchError>
+where
+    R: Serialize + DeserializeOwned + Send,
+    F: Fn(&ProcessGroup) -> anyhow::Result<R> + Send + Sync,
+{
+    let call = SPAWN_CALLS.fetch_add(1, Ordering::SeqCst);
+    if let Ok(target) = std::env::var(ENV_CHILD) {
+        return run_child(call, &target, &opts, f);
+    }
+    if opts.world_size == 0 {
+        return Err(LaunchError::one("world_size must be at least 1"));
+    }
+    match (opts.backend, opts.launch) {
+        (Backend::Local, Launch::Processes) => Err(LaunchError::one("the local backend runs ranks as threads; use Backend::Tcp for processes")),
+        (Backend::Local, Launch::Threads) => {
+            let pgs = ProcessGroup::local_world(opts.world_size, opts.config.clone()).map_err(|e| LaunchError::one(e.to_string()))?;
+            set_threads(&opts, opts.world_size);
+            run_threads(pgs.into_iter().map(Ok).collect(), &f)
+        }
+        (Backend::Tcp, Launch::Threads) => {
+            let port = free_port().map_err(LaunchError::one)?;
+            set_threads(&opts, opts.world_size);
+            let inits: Vec<TcpInit> = (0..opts.world_size).map(|r| tcp_init(r, opts.world_size, port)).collect();
+            let cfg = opts.config.clone();
+            std::thread::scope(|s| {
+                let hs: Vec<_> = inits.iter().map(|i| s.spawn(|| ProcessGroup::init_tcp(i, cfg.clone()))).collect();
+                let pgs: Vec<_> = hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(crate::comm::CommError::Io("init panicked".into())))).collect();
+                run_threads(pgs, &f)
+            })
+        }
+        (Backend::Tcp, Launch::Processes) => run_processes(call, &opts),
+    }
+}
+
+fn tcp_init(rank: usize, world_size: usize, port: u16) -> TcpInit {
+    TcpInit { rank, world_size, master_addr: "127.0.0.1".into(), master_port: port, local_rank: rank, local_world_size: world_size }
+}
+
+/// A port that is free right now on loopback (the kernel picks it).
+pub fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("no free port: {e}"))
+}
+
+fn run_threads<R, F>(pgs: Vec<crate::comm::CommResult<ProcessGroup>>, f: &F) -> Result<Vec<R>, LaunchError>
+where
+    R: Send,
+    F: Fn(&ProcessGroup) -> anyhow::Result<R> + Send + Sync,
+{
+    let results: Vec<Result<R, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = pgs
+            .into_iter()
+            .enumerate()
+            .map(|(r, pg)| {
+                std::thread::Builder::new()
+                    .name(format!("rank-{r}"))
+                    .spawn_scoped(s, move || {
+                        let pg = pg.map_err(|e| e.to_string())?;
+                        f(&pg).map_err(|e| format!("{e:#}"))
+                    })
+                    .expect("spawn rank thread")
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|p| Err(format!("panicked: {}", panic_text(&*p))))).collect()
+    });
+    collect(results)
+}
+
+fn collect<R>(results: Vec<Result<R, String>>) -> Result<Vec<R>, LaunchError> {
+    let mut ok = Vec::new();
+    let mut failures = Vec::new();
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok(v) => ok.push(v),
+            Err(m) => failures.push((r, m)),
+        }
+    }
+    if failures.is_empty() {
+        Ok(ok)
+    } else {
+        Err(LaunchError { failures })
+    }
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "(non-string panic)".into())
+}
+
+#[derive(Serialize, Deserialize)]
+enum ChildOutcome<R> {
+    Ok(R),
+    Err(String),
+}
+
+fn run_child<R, F>(call: usize, target: &str, opts: &SpawnOptions, f: F) -> Result<Vec<R>, LaunchError>
+where
+    R: Serialize + DeserializeOwned,
+    F: Fn(&ProcessGroup) -> anyhow::Result<R>,
+{
+    if opts.child_args.is_none() && target != call.to_string() {
+        eprintln!("shardlab: spawn call #{call} reached in a child of spawn call #{target}; put process spawns before other spawns");
+        std::process::exit(3);
+    }
+    let result_path = std::env::var(ENV_RESULT).unwrap_or_default();
+    let write = |s: String| {
+        let _ = std::fs::write(&result_path, s);
+    };
+    {
+        let path = result_path.clone();
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let out: ChildOutcome<()> = ChildOutcome::Err(format!("panicked: {info}"));
+            let _ = std::fs::write(&path, serde_json::to_string(&out).unwrap_or_default());
+            prev(info);
+        }));
+    }
+    let cfg: CommConfig = std::env::var(ENV_CONFIG).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_else(|| opts.config.clone());
+    let outcome = TcpInit::from_env().and_then(|init| {
+        set_threads(opts, init.local_world_size);
+        ProcessGroup::init_tcp(&init, cfg)
+    });
+    let outcome = match outcome {
+        Err(e) => ChildOutcome::Err(e.to_string()),
+        Ok(pg) => {
+            let r = f(&pg);
+            drop(pg);
+            match r {
+                Ok(v) => ChildOutcome::Ok(v),
+                Err(e) => ChildOutcome::Err(format!("{e:#}")),
+            }
+        }
+    };
+    let failed = matches!(outcome, ChildOutcome::Err(_));
+    write(serde_json::to_string(&outcome).unwrap_or_else(|e| format!("{{\"Err\":\"cannot serialise result: {e}\"}}")));
+    std::process::exit(if failed { 1 } else { 0 });
+}
+
+fn run_processes<R: DeserializeOwned>(call: usize, opts: &SpawnOptions) -> Result<Vec<R>, LaunchError> {
+    let n = opts.world_size;
+    let exe = std::env::current_exe().map_err(|e| LaunchError::one(format!("cannot find own executable: {e}")))?;
+    let port = free_port().map_err(LaunchError::one)?;
+    let job = format!("spawn-{}-{}-{call}", std::process::id(), Instant::now().elapsed().as_nanos() ^ port as u128);
+    let dir = std::env::temp_dir().join(format!("shardlab-{job}"));
+    std::fs::create_dir_all(&dir).map_err(|e| LaunchError::one(format!("temp dir: {e}")))?;
+    let cfg = CommConfig { job_id: job.clone(), ..opts.config.clone() };
+    let cfg_json = serde_json::to_string(&cfg).expect("config serialises");
+    let mut children = Vec::new();
+    for r in 0..n {
+        let res = dir.join(format!("rank{r}.json"));
+        let mut cmd = std::process::Command::new(&exe);
+        match &opts.child_args {
+            Some(a) => cmd.args(a),
+            None => cmd.args(std::env::args_os().skip(1)),
+        };
+        let child = cmd
+            .env(ENV_CHILD, call.to_string())
+            .env(ENV_RESULT, &res)
+            .env(ENV_CONFIG, &cfg_json)
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdin(std::process::Stdio::null())
+            .spawn();
+        match child {
+            Ok(c) => children.push((c, res)),
+            Err(e) => {
+                for (mut c, _) in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(LaunchError::one(format!("cannot start rank {r}: {e}")));
+            }
+        }
+    }
+    // Wait for all; once one failed, give the others `grace` to fail on their own, then kill them.
+    let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; n];
+    let mut first_failure: Option<Instant> = None;
+    let mut killed = vec![false; n];
+    while status.iter().any(|s| s.is_none()) {
+        for (r, (c, _)) in children.iter_mut().enumerate() {
+            if status[r].is_none() {
+                if let Ok(Some(s)) = c.try_wait() {
+                    if !s.success() && first_failure.is_none() {
+                        first_failure = Some(Instant::now());
+                    }
+                    status[r] = Some(s);
+                }
+            }
+        }
+        if let Some(t) = first_failure {
+            if t.elapsed() > opts.grace {
+                for (r, (c, _)) in children.iter_mut().enumerate() {
+                    if status[r].is_none() {
+                        let _ = c.kill();
+                        killed[r] = true;
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let results = children
+        .iter()
+        .enumerate()
+        .map(|(r, (_, path))| {
+            let text = std::fs::read_to_string(path).ok();
+            let parsed = text.as_deref().and_then(|t| serde_json::from_str::<ChildOutcome<R>>(t).ok());
+            match (parsed, status[r]) {
+                (Some(ChildOutcome::Ok(v)), Some(s)) if s.success() => Ok(v),
+                (Some(ChildOutcome::Err(m)), _) => Err(m),
+                (_, _) if killed[r] => Err(format!("killed after another rank failed and this one did not stop within {:?}", opts.grace)),
+                (_, Some(s)) => Err(format!("process exited with {s} without reporting a result")),
+                (_, None) => Err("process status unknown".into()),
+            }
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    collect(results)
+}
