@@ -8,6 +8,7 @@
 //! Start with `use shardlab::prelude::*;`.
 
 pub mod comm;
+pub mod bench;
 pub mod launch;
 
 /// Everything a lesson, bin or notebook usually needs.

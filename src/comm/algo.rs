@@ -8,9 +8,9 @@
 //! k while chunk k+1 is still on the wire (pipelining).
 
 use super::dtype::{self, ReduceOp};
-use super::error::{CommError, CommResult};
-use super::frame::{BufPool, Frame, OpDesc};
-use super::transport::Transport;
+use super::error::CommResult;
+use super::frame::{BufPool, OpDesc};
+use super::transport::{Recv, Transport};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -36,65 +36,48 @@ pub(crate) struct Ctx<'a> {
     pub pool: &'a Arc<BufPool>,
 }
 
+/// What to do with data arriving in a ring step.
+#[derive(Clone, Copy)]
+pub(crate) enum Apply<'b> {
+    /// Land it in place (all-gather phases).
+    Copy,
+    /// `dst ⊕= data` (reduce-scatter phase of all_reduce).
+    Reduce(ReduceOp),
+    /// `dst = base ⊕ data` (reduce_scatter, which must not touch its input).
+    ReduceFrom(ReduceOp, &'b [u8]),
+}
+
 impl Ctx<'_> {
-    fn esize(&self) -> usize {
-        self.desc.dtype.size()
-    }
     /// Send `bytes` to `peer` as frames of at most `chunk` bytes (one empty frame if empty).
     pub fn send(&self, peer: usize, bytes: &[u8]) -> CommResult<()> {
-        if bytes.is_empty() {
-            return self.send_frame(peer, bytes);
-        }
-        bytes.chunks(self.chunk).try_for_each(|c| self.send_frame(peer, c))
-    }
-    fn send_frame(&self, peer: usize, bytes: &[u8]) -> CommResult<()> {
         self.counters.sent.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        self.t.send(peer, &self.desc, bytes)
+        self.t.send(peer, &self.desc, bytes, self.chunk, self.timeout)
     }
-    /// Next frame from `peer`, checked against our own description and `room` bytes left to fill.
-    fn recv_frame(&self, peer: usize, room: usize) -> CommResult<Frame> {
-        let f = self.t.recv(peer, self.timeout, &|| format!("{}", self.desc))?;
-        if f.desc != self.desc {
-            return Err(CommError::Mismatch(format!(
-                "rank {} is running {} but rank {peer} sent data for {}",
-                self.rank, self.desc, f.desc
-            )));
-        }
-        let len = f.payload.bytes().len();
-        if len > room || len % self.esize() != 0 || (len == 0 && room > 0) {
-            return Err(CommError::Protocol(format!(
-                "rank {peer} sent a {len}-byte frame where rank {} expected at most {room} bytes in {}",
-                self.rank, self.desc
-            )));
-        }
-        self.counters.received.fetch_add(len as u64, Ordering::Relaxed);
-        Ok(f)
+    fn received(&self, n: usize) {
+        self.counters.received.fetch_add(n as u64, Ordering::Relaxed);
     }
     /// Receive exactly `dst.len()` bytes from `peer` into `dst`.
     pub fn recv_into(&self, peer: usize, dst: &mut [u8]) -> CommResult<()> {
-        self.recv_apply(peer, dst.len(), |off, b| dst[off..off + b.len()].copy_from_slice(b))
+        let total = dst.len();
+        self.t.recv(&self.desc, Recv { peer, total, dst: Some(dst), on_data: &mut |_, _| Ok(()) }, self.timeout)?;
+        self.received(total);
+        Ok(())
     }
     /// Receive `dst.len()` bytes from `peer`, combining them into `dst` with `op`.
     pub fn recv_reduce(&self, peer: usize, dst: &mut [u8], op: ReduceOp) -> CommResult<()> {
-        let dt = self.desc.dtype;
-        self.recv_apply(peer, dst.len(), |off, b| dtype::reduce_into(dt, op, &mut dst[off..off + b.len()], b))
-    }
-    fn recv_apply(&self, peer: usize, total: usize, mut f: impl FnMut(usize, &[u8])) -> CommResult<()> {
-        let mut off = 0;
-        loop {
-            let fr = self.recv_frame(peer, total - off)?;
-            let b = fr.payload.bytes();
-            f(off, b);
-            off += b.len();
-            if off == total {
-                return Ok(());
-            }
-        }
+        let (dt, total) = (self.desc.dtype, dst.len());
+        let mut on = |off: usize, b: &[u8]| {
+            dtype::reduce_into(dt, op, &mut dst[off..off + b.len()], b);
+            Ok(())
+        };
+        self.t.recv(&self.desc, Recv { peer, total, dst: None, on_data: &mut on }, self.timeout)?;
+        self.received(total);
+        Ok(())
     }
 
     /// One ring step inside one buffer: send `buf[send]` to the next rank while receiving
     /// `recv.len()` bytes from the previous one into `buf[recv]` (the ranges are disjoint).
-    fn ring_step(&self, buf: &mut [u8], send: Range<usize>, recv: Range<usize>, apply: impl FnMut(&mut [u8], usize, &[u8])) -> CommResult<()> {
+    fn ring_step(&self, buf: &mut [u8], send: Range<usize>, recv: Range<usize>, apply: Apply) -> CommResult<()> {
         if send.end <= recv.start {
             let (lo, hi) = buf.split_at_mut(recv.start);
             self.ring_exchange(&lo[send], &mut hi[..recv.len()], apply)
@@ -104,29 +87,36 @@ impl Ctx<'_> {
         }
     }
 
-    /// Send `send` to the next rank while filling `dst` from the previous one, chunk by chunk
-    /// (`apply(dst, offset, bytes)` consumes each arriving chunk). Both sides move at once: our
-    /// writes go out while the reader thread is already receiving.
-    fn ring_exchange(&self, send: &[u8], dst: &mut [u8], mut apply: impl FnMut(&mut [u8], usize, &[u8])) -> CommResult<()> {
+    /// Send `send` to the next rank while filling `dst` from the previous one; both directions
+    /// move at once, chunk by chunk.
+    fn ring_exchange(&self, send: &[u8], dst: &mut [u8], apply: Apply) -> CommResult<()> {
         let (next, prev) = ((self.rank + 1) % self.n, (self.rank + self.n - 1) % self.n);
-        let (slen, rlen) = (send.len(), dst.len());
-        let (mut s, mut r) = (0usize, 0usize);
-        let (mut sent_any, mut recv_any) = (false, false);
-        while !(sent_any && s >= slen) || !(recv_any && r >= rlen) {
-            if !sent_any || s < slen {
-                let e = (s + self.chunk).min(slen);
-                self.send_frame(next, &send[s..e])?;
-                s = e;
-                sent_any = true;
+        let (dt, total) = (self.desc.dtype, dst.len());
+        self.counters.sent.fetch_add(send.len() as u64, Ordering::Relaxed);
+        let res = match apply {
+            Apply::Copy => {
+                let r = Recv { peer: prev, total, dst: Some(dst), on_data: &mut |_, _| Ok(()) };
+                self.t.exchange(&self.desc, next, send, self.chunk, r, self.timeout)
             }
-            if !recv_any || r < rlen {
-                let fr = self.recv_frame(prev, rlen - r)?;
-                let b = fr.payload.bytes();
-                apply(dst, r, b);
-                r += b.len();
-                recv_any = true;
+            Apply::Reduce(op) => {
+                let mut on = |off: usize, b: &[u8]| {
+                    dtype::reduce_into(dt, op, &mut dst[off..off + b.len()], b);
+                    Ok(())
+                };
+                self.t.exchange(&self.desc, next, send, self.chunk, Recv { peer: prev, total, dst: None, on_data: &mut on }, self.timeout)
             }
-        }
+            Apply::ReduceFrom(op, base) => {
+                let mut on = |off: usize, b: &[u8]| {
+                    let d = &mut dst[off..off + b.len()];
+                    d.copy_from_slice(&base[off..off + b.len()]);
+                    dtype::reduce_into(dt, op, d, b);
+                    Ok(())
+                };
+                self.t.exchange(&self.desc, next, send, self.chunk, Recv { peer: prev, total, dst: None, on_data: &mut on }, self.timeout)
+            }
+        };
+        res?;
+        self.received(total);
         Ok(())
     }
 }
@@ -178,24 +168,20 @@ pub(crate) fn broadcast_tree(c: &Ctx, buf: &mut [u8], root: usize) -> CommResult
     let v = (c.rank + c.n - root) % c.n;
     let (parent, children) = binomial_tree(v, c.n);
     let children: Vec<usize> = children.into_iter().map(|k| (k + root) % c.n).collect();
-    let forward = |bytes: &[u8]| children.iter().try_for_each(|&k| c.send_frame(k, bytes));
     let Some(pv) = parent else {
-        return if buf.is_empty() { forward(buf) } else { buf.chunks(c.chunk).try_for_each(forward) };
-    };
-    // Forward each chunk down the tree as soon as it arrives (pipelining).
-    let parent = (pv + root) % c.n;
-    let total = buf.len();
-    let mut off = 0;
-    loop {
-        let fr = c.recv_frame(parent, total - off)?;
-        let b = fr.payload.bytes();
-        forward(b)?;
-        buf[off..off + b.len()].copy_from_slice(b);
-        off += b.len();
-        if off == total {
-            return Ok(());
+        // Root: chunk by chunk to every child, so the first chunk is travelling down the tree
+        // while the rest is still being sent.
+        if buf.is_empty() {
+            return children.iter().try_for_each(|&k| c.send(k, buf));
         }
-    }
+        return buf.chunks(c.chunk).try_for_each(|ch| children.iter().try_for_each(|&k| c.send(k, ch)));
+    };
+    // Forward each frame down the tree as soon as it has landed (pipelining).
+    let total = buf.len();
+    let mut forward = |_: usize, b: &[u8]| children.iter().try_for_each(|&k| c.send(k, b));
+    c.t.recv(&c.desc, Recv { peer: (pv + root) % c.n, total, dst: Some(buf), on_data: &mut forward }, c.timeout)?;
+    c.received(total);
+    Ok(())
 }
 
 // ---------------------------------------------------------------- all_reduce
@@ -214,19 +200,19 @@ pub(crate) fn all_reduce_naive(c: &Ctx, buf: &mut [u8], op: ReduceOp) -> CommRes
 }
 
 pub(crate) fn all_reduce_ring(c: &Ctx, buf: &mut [u8], op: ReduceOp) -> CommResult<()> {
-    let (n, r, es, dt) = (c.n, c.rank, c.esize(), c.desc.dtype);
+    let (n, r, es, dt) = (c.n, c.rank, c.desc.dtype.size(), c.desc.dtype);
     let numel = buf.len() / es;
     let seg = |i: usize| segment(numel, n, i % n, es);
     // Reduce-scatter: after n−1 steps rank r holds the full reduction of segment r+1.
     for s in 0..n - 1 {
-        c.ring_step(buf, seg(r + n - s), seg(r + 2 * n - s - 1), |d, off, b| dtype::reduce_into(dt, op, &mut d[off..off + b.len()], b))?;
+        c.ring_step(buf, seg(r + n - s), seg(r + 2 * n - s - 1), Apply::Reduce(op))?;
     }
     if op == ReduceOp::Avg {
         dtype::divide(dt, &mut buf[seg(r + 1)], n);
     }
     // All-gather: pass the finished segments around the ring.
     for s in 0..n - 1 {
-        c.ring_step(buf, seg(r + 1 + n - s), seg(r + n - s), |d, off, b| d[off..off + b.len()].copy_from_slice(b))?;
+        c.ring_step(buf, seg(r + 1 + n - s), seg(r + n - s), Apply::Copy)?;
     }
     Ok(())
 }
@@ -252,7 +238,7 @@ pub(crate) fn all_gather_ring(c: &Ctx, out: &mut [u8], input: &[u8]) -> CommResu
     }
     let blk = |i: usize| (i % n) * m..(i % n + 1) * m;
     for s in 0..n - 1 {
-        c.ring_step(out, blk(r + n - s), blk(r + 2 * n - s - 1), |d, off, b| d[off..off + b.len()].copy_from_slice(b))?;
+        c.ring_step(out, blk(r + n - s), blk(r + 2 * n - s - 1), Apply::Copy)?;
     }
     Ok(())
 }
@@ -290,10 +276,7 @@ pub(crate) fn reduce_scatter_ring(c: &Ctx, out: &mut [u8], input: &[u8], op: Red
         let rb = blk(r + 2 * n - s - 2);
         let last = s == n - 2;
         let dst: &mut [u8] = if last { &mut *out } else { next.bytes_mut() };
-        c.ring_exchange(cur.bytes(), dst, |d, off, b| {
-            d[off..off + b.len()].copy_from_slice(&input[rb.start + off..rb.start + off + b.len()]);
-            dtype::reduce_into(dt, op, &mut d[off..off + b.len()], b);
-        })?;
+        c.ring_exchange(cur.bytes(), dst, Apply::ReduceFrom(op, &input[rb]))?;
         if !last {
             std::mem::swap(&mut cur, &mut next);
         }

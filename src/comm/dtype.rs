@@ -94,13 +94,19 @@ impl ReduceOp {
 
 /// Reinterpret bytes as a slice of `T`. Panics on misalignment (our buffers are 8-byte aligned).
 fn typed<T>(b: &[u8]) -> &[T] {
+    if b.is_empty() {
+        return &[];
+    }
     let s = std::mem::size_of::<T>();
-    assert!(b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0);
+    assert!(b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0, "misaligned {:p} {} {}", b.as_ptr(), b.len(), s);
     unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, b.len() / s) }
 }
 fn typed_mut<T>(b: &mut [u8]) -> &mut [T] {
+    if b.is_empty() {
+        return &mut [];
+    }
     let s = std::mem::size_of::<T>();
-    assert!(b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0);
+    assert!(b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0, "misaligned {:p} {} {}", b.as_ptr(), b.len(), s);
     unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, b.len() / s) }
 }
 

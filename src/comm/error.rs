@@ -42,6 +42,14 @@ pub enum CommError {
 }
 
 impl CommError {
+    /// What the peers of a failed rank are told: the original failure, naming who hit it first.
+    pub(crate) fn as_abort(&self, me: usize) -> CommError {
+        match self {
+            CommError::Aborted { .. } => self.clone(),
+            e => CommError::Aborted { by: me, reason: e.to_string() },
+        }
+    }
+
     pub(crate) fn io(context: impl std::fmt::Display, e: std::io::Error) -> Self {
         CommError::Io(format!("{context}: {e}"))
     }

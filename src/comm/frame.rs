@@ -195,9 +195,3 @@ impl BufPool {
         }
     }
 }
-
-/// A data frame as delivered to a receiver.
-pub(crate) struct Frame {
-    pub desc: OpDesc,
-    pub payload: Buf,
-}

@@ -228,7 +228,7 @@ impl Inner {
     /// failure poison the group and tell the peers.
     fn exec(&self, spec: OpSpec, body: impl FnOnce(&Ctx) -> CommResult<()>) -> CommResult<()> {
         let mut st = self.state.lock().unwrap();
-        if let Some(e) = self.t.inbox().poisoned() {
+        if let Some(e) = self.t.poisoned() {
             return Err(e);
         }
         let res = (|| {
@@ -604,7 +604,7 @@ impl Drop for ProcessGroup {
         }
         if std::thread::panicking() {
             self.inner.t.abort(&CommError::Aborted { by: self.rank(), reason: format!("rank {} panicked", self.rank()) });
-        } else if self.inner.t.inbox().poisoned().is_none() {
+        } else if self.inner.t.poisoned().is_none() {
             self.inner.t.leave();
         }
     }

@@ -1,21 +1,22 @@
 //! Backend `tcp`: ranks are processes (on one or several machines) joined by a full mesh of TCP
 //! connections. Rendezvous goes through the [`store`](super::store) hosted by rank 0.
 //!
-//! Per peer there is one socket: the rank's own threads write frames to it directly from the
-//! tensor's memory (no copy), and one reader thread per peer drains it into the inbox — so a ring
-//! step can send and receive at the same time and sockets never back up into a deadlock.
+//! Per peer there is one non-blocking socket, driven by the rank's own thread with poll(2): bytes
+//! go out straight from the tensor's memory and come in straight into it (copies) or through a
+//! small cache-resident staging buffer (reductions). A ring step sends and receives at the same
+//! time, so sockets never back up into a deadlock, and no helper thread or queue sits in the way.
 //! Sockets get TCP_NODELAY (small collectives are latency-bound) and large kernel buffers (large
 //! ones are copy-bound).
 
 use super::error::{CommError, CommResult};
-use super::frame::{self, BufPool, FrameKind, OpDesc, HEADER_LEN, NO_DESC};
+use super::frame::{self, FrameKind, OpDesc, HEADER_LEN, NO_DESC};
 use super::store::StoreClient;
-use super::transport::{Inbox, Msg, Transport};
+use super::transport::{check_frame, Recv, Transport};
 use super::CommConfig;
-use std::io::{IoSlice, Read, Write};
+use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::os::fd::AsRawFd;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 const HS_MAGIC: u32 = 0x5348_4853; // "SHHS"
@@ -24,12 +25,10 @@ const SOCK_BUF: usize = 4 << 20;
 pub(crate) struct TcpTransport {
     rank: usize,
     world: usize,
-    writers: Vec<Option<Mutex<TcpStream>>>,
-    /// Second handles on the same sockets, to shut them down even while a writer is stuck.
-    ctl: Vec<Option<TcpStream>>,
-    inbox: Arc<Inbox>,
-    closing: Arc<AtomicBool>,
-    readers: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    peers: Vec<Option<Peer>>,
+    poison: Mutex<Option<CommError>>,
+    /// Where reduced data lands before it is combined: small enough to stay in cache.
+    staging: Mutex<Vec<u64>>,
 }
 
 /// 64-bit FNV-1a of the job id: cheap to put in every handshake.
@@ -49,8 +48,11 @@ fn handshake_bytes(job: u64, from: usize, world: usize) -> [u8; 24] {
 fn tune(s: &TcpStream) {
     let _ = s.set_nodelay(true);
     let sock = socket2::SockRef::from(s);
-    let _ = sock.set_send_buffer_size(SOCK_BUF);
-    let _ = sock.set_recv_buffer_size(SOCK_BUF);
+    let buf = std::env::var("SHARDLAB_SOCK_BUF").ok().and_then(|v| v.parse().ok()).unwrap_or(SOCK_BUF);
+    if buf > 0 {
+        let _ = sock.set_send_buffer_size(buf);
+        let _ = sock.set_recv_buffer_size(buf);
+    }
 }
 
 impl TcpTransport {
@@ -129,92 +131,281 @@ impl TcpTransport {
             missing -= 1;
         }
 
-        let inbox = Arc::new(Inbox::new(world));
-        let closing = Arc::new(AtomicBool::new(false));
-        let pool = BufPool::new();
-        let mut readers = Vec::new();
-        let (mut writers, mut ctl) = (Vec::new(), Vec::new());
-        for (peer, s) in socks.into_iter().enumerate() {
-            let Some(s) = s else {
-                writers.push(None);
-                ctl.push(None);
-                continue;
-            };
-            tune(&s);
-            s.set_write_timeout(Some(cfg.timeout)).ok();
-            let r = s.try_clone().map_err(|e| CommError::io("clone socket", e))?;
-            let (inbox, closing, pool) = (inbox.clone(), closing.clone(), pool.clone());
-            let h = std::thread::Builder::new()
-                .name(format!("shardlab-rx-{rank}<-{peer}"))
-                .spawn(move || reader(r, peer, inbox, closing, pool))
-                .map_err(|e| CommError::io("spawn reader", e))?;
-            readers.push(h);
-            ctl.push(Some(s.try_clone().map_err(|e| CommError::io("clone socket", e))?));
-            writers.push(Some(Mutex::new(s)));
-        }
-        Ok(TcpTransport { rank, world, writers, ctl, inbox, closing, readers: Mutex::new(readers) })
-    }
-
-    fn write_frame(&self, peer: usize, kind: FrameKind, desc: &OpDesc, payload: &[u8]) -> std::io::Result<()> {
-        let w = self.writers[peer].as_ref().expect("no socket to self");
-        let mut s = w.lock().unwrap();
-        write_all_vectored(&mut s, &frame::encode_header(kind, desc, payload.len()), payload)
-    }
-}
-
-fn write_all_vectored(s: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io::Result<()> {
-    let (mut h, mut b) = (head, body);
-    while !h.is_empty() {
-        let n = s.write_vectored(&[IoSlice::new(h), IoSlice::new(b)])?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        if n < h.len() {
-            h = &h[n..];
-        } else {
-            b = &b[n - h.len()..];
-            h = &[];
-        }
-    }
-    s.write_all(b)
-}
-
-fn reader(mut s: TcpStream, peer: usize, inbox: Arc<Inbox>, closing: Arc<AtomicBool>, pool: Arc<BufPool>) {
-    let lost = |detail: String| {
-        if !closing.load(Ordering::SeqCst) {
-            inbox.poison(CommError::PeerLost { peer, detail });
-        }
-    };
-    loop {
-        let mut h = [0u8; HEADER_LEN];
-        if let Err(e) = s.read_exact(&mut h) {
-            return lost(if e.kind() == std::io::ErrorKind::UnexpectedEof { "connection closed".into() } else { e.to_string() });
-        }
-        let (kind, desc, len) = match frame::decode_header(&h) {
-            Ok(x) => x,
-            Err(e) => {
-                if !closing.load(Ordering::SeqCst) {
-                    inbox.poison(CommError::Protocol(format!("from rank {peer}: {e}")));
+        let mut peers = Vec::with_capacity(world);
+        for s in socks {
+            peers.push(match s {
+                None => None,
+                Some(s) => {
+                    tune(&s);
+                    s.set_nonblocking(true).map_err(|e| CommError::io("set_nonblocking", e))?;
+                    Some(Peer { s, wlock: Mutex::new(()) })
                 }
-                return;
+            });
+        }
+        Ok(TcpTransport { rank, world, peers, poison: Mutex::new(None), staging: Mutex::new(vec![0u64; STAGING / 8]) })
+    }
+
+    fn peer(&self, p: usize) -> &Peer {
+        self.peers[p].as_ref().expect("no connection to self")
+    }
+
+    /// Drive an optional send and an optional receive until both are done, waiting in poll(2)
+    /// whenever neither side can move. The deadline restarts whenever a byte moves.
+    fn pump(&self, desc: &OpDesc, mut send: Option<SendState>, mut recv: Option<RecvState>, timeout: Duration) -> CommResult<()> {
+        let mut deadline = Instant::now() + timeout;
+        loop {
+            if let Some(e) = self.poisoned() {
+                return Err(e);
+            }
+            let mut moved = false;
+            if let Some(st) = send.as_mut().filter(|st| !st.done()) {
+                moved |= self.progress_send(desc, st)?;
+            }
+            if let Some(st) = recv.as_mut().filter(|st| !st.done()) {
+                moved |= self.progress_recv(desc, st)?;
+            }
+            let want_out = send.as_ref().filter(|st| !st.done()).map(|st| st.peer);
+            let want_in = recv.as_ref().filter(|st| !st.done()).map(|st| st.r.peer);
+            if want_out.is_none() && want_in.is_none() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if moved {
+                deadline = now + timeout;
+                continue;
+            }
+            if now >= deadline {
+                let peer = want_in.or(want_out).unwrap();
+                return Err(CommError::Timeout { peer, timeout, during: desc.to_string() });
+            }
+            let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2);
+            if let Some(p) = want_out {
+                fds.push(libc::pollfd { fd: self.peer(p).s.as_raw_fd(), events: libc::POLLOUT, revents: 0 });
+            }
+            if let Some(p) = want_in {
+                let fd = self.peer(p).s.as_raw_fd();
+                match fds.iter_mut().find(|f| f.fd == fd) {
+                    Some(f) => f.events |= libc::POLLIN,
+                    None => fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 }),
+                }
+            }
+            // Wake at least every 100 ms to notice a poison set by another thread.
+            let ms = (deadline - now).as_millis().clamp(1, 100) as libc::c_int;
+            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        }
+    }
+
+    /// Write as much of the current frames as the socket takes; true if anything moved.
+    fn progress_send(&self, desc: &OpDesc, st: &mut SendState) -> CommResult<bool> {
+        let peer = self.peer(st.peer);
+        let _w = peer.wlock.lock().unwrap();
+        let mut moved = false;
+        while !st.done() {
+            if st.hdr_pos == HEADER_LEN && st.pos == st.end {
+                // Start the next frame.
+                st.end = (st.pos + st.chunk).min(st.payload.len());
+                st.hdr = frame::encode_header(FrameKind::Data, desc, st.end - st.pos);
+                st.hdr_pos = 0;
+                st.started = true;
+            }
+            let res = (&peer.s).write_vectored(&[IoSlice::new(&st.hdr[st.hdr_pos..]), IoSlice::new(&st.payload[st.pos..st.end])]);
+            match res {
+                Ok(0) => return Err(CommError::PeerLost { peer: st.peer, detail: "connection closed while sending".into() }),
+                Ok(k) => {
+                    moved = true;
+                    let h = k.min(HEADER_LEN - st.hdr_pos);
+                    st.hdr_pos += h;
+                    st.pos += k - h;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.broken(st.peer, "sending", e)),
+            }
+        }
+        Ok(moved)
+    }
+
+    fn broken(&self, peer: usize, what: &str, e: std::io::Error) -> CommError {
+        self.poisoned().unwrap_or_else(|| CommError::PeerLost { peer, detail: format!("{what} failed: {e}") })
+    }
+
+    /// Read whatever has arrived for `st`; true if anything moved.
+    fn progress_recv(&self, desc: &OpDesc, st: &mut RecvState) -> CommResult<bool> {
+        let peer_id = st.r.peer;
+        let sock = &self.peer(peer_id).s;
+        let es = desc.dtype.size();
+        let mut moved = false;
+        let mut staging = self.staging.lock().unwrap();
+        let staging: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(staging.as_mut_ptr() as *mut u8, STAGING) };
+        let read = |buf: &mut [u8]| -> CommResult<Option<usize>> {
+            loop {
+                match (&*sock).read(buf) {
+                    Ok(0) if !buf.is_empty() => {
+                        return Err(self.poisoned().unwrap_or(CommError::PeerLost { peer: peer_id, detail: "connection closed".into() }))
+                    }
+                    Ok(k) => return Ok(Some(k)),
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(None),
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(self.broken(peer_id, "receiving", e)),
+                }
             }
         };
-        let mut buf = pool.get(len);
-        if let Err(e) = s.read_exact(buf.bytes_mut()) {
-            return lost(e.to_string());
-        }
-        match kind {
-            FrameKind::Data => inbox.deliver(peer, Msg::Frame(frame::Frame { desc, payload: buf })),
-            FrameKind::Abort => {
-                let reason = String::from_utf8_lossy(buf.bytes()).into_owned();
-                inbox.poison(CommError::Aborted { by: peer, reason });
-                return;
+        while !st.done() {
+            if !st.in_frame {
+                let Some(k) = read(&mut st.hdr[st.hdr_got..])? else { return Ok(moved) };
+                moved = true;
+                st.hdr_got += k;
+                if st.hdr_got < HEADER_LEN {
+                    continue;
+                }
+                st.hdr_got = 0;
+                let (kind, theirs, len) = frame::decode_header(&st.hdr).map_err(|e| CommError::Protocol(format!("from rank {peer_id}: {e}")))?;
+                match kind {
+                    FrameKind::Data => {}
+                    FrameKind::Leave => return Err(CommError::PeerLeft { peer: peer_id, during: desc.to_string() }),
+                    FrameKind::Abort => {
+                        let reason = read_blocking(sock, len.min(64 << 10));
+                        let e = CommError::Aborted { by: peer_id, reason };
+                        return Err(match decode_abort(&e) {
+                            Some(orig) => orig,
+                            None => e,
+                        });
+                    }
+                }
+                check_frame(self.rank, peer_id, desc, &theirs, len, st.r.total - st.off)?;
+                st.in_frame = true;
+                st.frame_len = len;
+                st.frame_got = 0;
             }
-            FrameKind::Leave => {
-                inbox.deliver(peer, Msg::Left);
-                return;
+            if st.frame_got < st.frame_len {
+                let (off, want) = (st.off, st.frame_len - st.frame_got);
+                match st.r.dst.as_deref_mut() {
+                    Some(dst) => {
+                        let at = off + st.frame_got;
+                        let Some(k) = read(&mut dst[at..at + want])? else { return Ok(moved) };
+                        st.frame_got += k;
+                    }
+                    None => {
+                        let room = (STAGING - st.staged).min(want);
+                        let Some(k) = read(&mut staging[st.staged..st.staged + room])? else { return Ok(moved) };
+                        st.frame_got += k;
+                        st.staged += k;
+                        // Apply whole elements while they are hot in cache; keep a partial one.
+                        let whole = st.staged - st.staged % es;
+                        if whole > 0 {
+                            (st.r.on_data)(st.off, &staging[..whole])?;
+                            st.off += whole;
+                            staging.copy_within(whole..st.staged, 0);
+                            st.staged -= whole;
+                        }
+                    }
+                }
+                moved = true;
+            }
+            if st.frame_got == st.frame_len {
+                st.in_frame = false;
+                st.frames += 1;
+                if let Some(dst) = st.r.dst.as_deref_mut() {
+                    let (a, b) = (st.off, st.off + st.frame_len);
+                    (st.r.on_data)(a, &dst[a..b])?;
+                    st.off = b;
+                } else if st.frame_len == 0 {
+                    (st.r.on_data)(st.off, &[])?;
+                }
             }
         }
+        Ok(moved)
+    }
+
+    fn write_control(&self, kind: FrameKind, payload: &[u8]) {
+        for p in self.peers.iter().flatten() {
+            // Never wait behind a writer that is stuck on a dead peer.
+            if let Ok(_w) = p.wlock.try_lock() {
+                let h = frame::encode_header(kind, &NO_DESC, payload.len());
+                let mut out = h.to_vec();
+                out.extend_from_slice(payload);
+                let deadline = Instant::now() + Duration::from_secs(1);
+                let mut pos = 0;
+                while pos < out.len() && Instant::now() < deadline {
+                    match (&p.s).write(&out[pos..]) {
+                        Ok(k) if k > 0 => pos += k,
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
+                        _ => break,
+                    }
+                }
+            }
+            let _ = p.s.shutdown(Shutdown::Write);
+        }
+    }
+}
+
+/// Peers forward the original failure: "aborted because rank 2 failed: …" stays attributed to rank 2.
+fn decode_abort(e: &CommError) -> Option<CommError> {
+    let CommError::Aborted { reason, .. } = e else { return None };
+    let (by, rest) = reason.strip_prefix("@")?.split_once(' ')?;
+    Some(CommError::Aborted { by: by.parse().ok()?, reason: rest.to_string() })
+}
+
+fn read_blocking(s: &TcpStream, len: usize) -> String {
+    let mut buf = vec![0u8; len];
+    let mut got = 0;
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while got < len && Instant::now() < deadline {
+        match (&*s).read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
+            Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&buf[..got]).into_owned()
+}
+
+const STAGING: usize = 256 << 10;
+
+struct Peer {
+    s: TcpStream,
+    wlock: Mutex<()>,
+}
+
+struct SendState<'a> {
+    peer: usize,
+    payload: &'a [u8],
+    chunk: usize,
+    hdr: [u8; HEADER_LEN],
+    hdr_pos: usize,
+    pos: usize,
+    end: usize,
+    started: bool,
+}
+
+impl<'a> SendState<'a> {
+    fn new(peer: usize, payload: &'a [u8], chunk: usize) -> Self {
+        SendState { peer, payload, chunk, hdr: [0; HEADER_LEN], hdr_pos: HEADER_LEN, pos: 0, end: 0, started: false }
+    }
+    fn done(&self) -> bool {
+        self.started && self.hdr_pos == HEADER_LEN && self.pos == self.end && self.pos == self.payload.len()
+    }
+}
+
+struct RecvState<'a> {
+    r: Recv<'a>,
+    off: usize,
+    hdr: [u8; HEADER_LEN],
+    hdr_got: usize,
+    in_frame: bool,
+    frame_len: usize,
+    frame_got: usize,
+    staged: usize,
+    frames: usize,
+}
+
+impl<'a> RecvState<'a> {
+    fn new(r: Recv<'a>) -> Self {
+        RecvState { r, off: 0, hdr: [0; HEADER_LEN], hdr_got: 0, in_frame: false, frame_len: 0, frame_got: 0, staged: 0, frames: 0 }
+    }
+    fn done(&self) -> bool {
+        self.frames > 0 && !self.in_frame && self.off == self.r.total
     }
 }
 
@@ -225,57 +416,37 @@ impl Transport for TcpTransport {
     fn world_size(&self) -> usize {
         self.world
     }
-    fn send(&self, peer: usize, desc: &OpDesc, payload: &[u8]) -> CommResult<()> {
-        if let Some(e) = self.inbox.poisoned() {
-            return Err(e);
-        }
-        self.write_frame(peer, FrameKind::Data, desc, payload).map_err(|e| match self.inbox.poisoned() {
-            Some(p) => p,
-            None if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
-                CommError::Timeout { peer, timeout: Duration::ZERO, during: format!("sending {desc}") }
-            }
-            None => CommError::PeerLost { peer, detail: format!("send failed: {e}") },
-        })
+    fn send(&self, peer: usize, desc: &OpDesc, payload: &[u8], chunk: usize, timeout: Duration) -> CommResult<()> {
+        self.pump(desc, Some(SendState::new(peer, payload, chunk)), None, timeout)
     }
-    fn inbox(&self) -> &Inbox {
-        &self.inbox
+    fn recv(&self, desc: &OpDesc, r: Recv, timeout: Duration) -> CommResult<()> {
+        self.pump(desc, None, Some(RecvState::new(r)), timeout)
+    }
+    fn exchange(&self, desc: &OpDesc, to: usize, payload: &[u8], chunk: usize, r: Recv, timeout: Duration) -> CommResult<()> {
+        self.pump(desc, Some(SendState::new(to, payload, chunk)), Some(RecvState::new(r)), timeout)
+    }
+    fn poisoned(&self) -> Option<CommError> {
+        self.poison.lock().unwrap().clone()
     }
     fn abort(&self, err: &CommError) {
-        self.inbox.poison(err.clone());
-        let reason = match err {
-            CommError::Aborted { reason, .. } => reason.clone(),
-            e => e.to_string(),
-        };
-        for (w, ctl) in self.writers.iter().zip(&self.ctl) {
-            let (Some(w), Some(ctl)) = (w, ctl) else { continue };
-            // Never wait behind a writer that is stuck on a dead peer.
-            if let Ok(mut s) = w.try_lock() {
-                s.set_write_timeout(Some(Duration::from_secs(1))).ok();
-                let _ = write_all_vectored(&mut s, &frame::encode_header(FrameKind::Abort, &NO_DESC, reason.len()), reason.as_bytes());
+        {
+            let mut p = self.poison.lock().unwrap();
+            if p.is_none() {
+                *p = Some(err.clone());
             }
-            // Peers see the reason first, then end-of-stream; our readers keep draining.
-            let _ = ctl.shutdown(Shutdown::Write);
         }
+        let CommError::Aborted { by, reason } = err.as_abort(self.rank) else { unreachable!() };
+        self.write_control(FrameKind::Abort, format!("@{by} {reason}").as_bytes());
     }
     fn leave(&self) {
-        for w in self.writers.iter().flatten() {
-            if let Ok(mut s) = w.try_lock() {
-                s.set_write_timeout(Some(Duration::from_secs(1))).ok();
-                let _ = write_all_vectored(&mut s, &frame::encode_header(FrameKind::Leave, &NO_DESC, 0), &[]);
-                let _ = s.shutdown(Shutdown::Write);
-            }
-        }
+        self.write_control(FrameKind::Leave, &[]);
     }
 }
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        self.closing.store(true, Ordering::SeqCst);
-        for s in self.ctl.iter().flatten() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-        for h in self.readers.lock().unwrap().drain(..) {
-            let _ = h.join();
+        for p in self.peers.iter().flatten() {
+            let _ = p.s.shutdown(Shutdown::Both);
         }
     }
 }

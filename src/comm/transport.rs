@@ -1,97 +1,52 @@
-//! What a backend provides to the collective algorithms: ordered, reliable frames between every
-//! pair of ranks, plus a way to fail loudly. `local` (threads) and `tcp` (processes/machines)
-//! implement it; the algorithms in `algo` are written once against it.
-//!
-//! Receiving goes through an [`Inbox`]: one FIFO per peer, filled by whoever delivers (a reader
-//! thread per TCP connection, or the sending thread itself for `local`). A failure anywhere
-//! *poisons* the inbox and wakes every waiter, so a rank blocked on peer A still learns at once
-//! that peer B died.
+//! What a backend provides to the collective algorithms: ordered, reliable, checked frames between
+//! every pair of ranks, a simultaneous send+receive (`exchange`, the heart of every ring step), and
+//! a way to fail loudly. `local` (threads) and `tcp` (processes/machines) implement it; the
+//! algorithms in `algo` are written once against it.
 
 use super::error::{CommError, CommResult};
-use super::frame::{Frame, OpDesc};
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use super::frame::OpDesc;
+use std::time::Duration;
+
+/// Called with each piece of received data: `(offset into the message, bytes)`. Offsets and
+/// lengths are multiples of the element size.
+pub(crate) type OnData<'a> = &'a mut dyn FnMut(usize, &[u8]) -> CommResult<()>;
+
+/// One receive: `total` bytes of `desc` from `peer`. With `dst`, data lands there directly and
+/// `on_data` sees it afterwards (e.g. to forward it); without, `on_data` consumes it (e.g. reduces it).
+pub(crate) struct Recv<'a> {
+    pub peer: usize,
+    pub total: usize,
+    pub dst: Option<&'a mut [u8]>,
+    pub on_data: OnData<'a>,
+}
 
 /// A backend's point-to-point layer.
 pub(crate) trait Transport: Send + Sync {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
-    /// Send one data frame. TCP writes it before returning; local enqueues a copy.
-    fn send(&self, peer: usize, desc: &OpDesc, payload: &[u8]) -> CommResult<()>;
-    /// The inbox this rank receives from.
-    fn inbox(&self) -> &Inbox;
+    /// Send `payload` to `peer` as frames of at most `chunk` bytes (one empty frame if empty).
+    fn send(&self, peer: usize, desc: &OpDesc, payload: &[u8], chunk: usize, timeout: Duration) -> CommResult<()>;
+    /// Receive one message.
+    fn recv(&self, desc: &OpDesc, r: Recv, timeout: Duration) -> CommResult<()>;
+    /// Send `payload` to `to` while receiving `r` — both directions at once, so rings never deadlock.
+    fn exchange(&self, desc: &OpDesc, to: usize, payload: &[u8], chunk: usize, r: Recv, timeout: Duration) -> CommResult<()>;
+    /// The error that broke this group, if any.
+    fn poisoned(&self) -> Option<CommError>;
     /// We failed: poison ourselves and tell every peer (best effort, never blocks for long).
     fn abort(&self, err: &CommError);
     /// Clean shutdown: tell every peer that nothing more will come from us.
     fn leave(&self);
-    /// Receive the next data frame from `peer`.
-    fn recv(&self, peer: usize, timeout: Duration, during: &dyn Fn() -> String) -> CommResult<Frame> {
-        self.inbox().recv(peer, timeout, during)
-    }
 }
 
-pub(crate) enum Msg {
-    Frame(Frame),
-    /// The peer left cleanly; anything after this would be an error.
-    Left,
-    /// Someone poisoned the inbox; re-check.
-    Wake,
-}
-
-/// Per-peer FIFOs of incoming frames plus the group's poison state.
-pub(crate) struct Inbox {
-    tx: Vec<Sender<Msg>>,
-    rx: Vec<Receiver<Msg>>,
-    poison: Mutex<Option<CommError>>,
-}
-
-impl Inbox {
-    pub fn new(world_size: usize) -> Self {
-        let (tx, rx) = (0..world_size).map(|_| crossbeam_channel::unbounded()).unzip();
-        Inbox { tx, rx, poison: Mutex::new(None) }
+/// Check an incoming frame against what this rank runs; `room` = bytes still expected.
+pub(crate) fn check_frame(me: usize, peer: usize, mine: &OpDesc, theirs: &OpDesc, len: usize, room: usize) -> CommResult<()> {
+    if theirs != mine {
+        return Err(CommError::Mismatch(format!("rank {me} is running {mine} but rank {peer} sent data for {theirs}")));
     }
-    /// Hand a frame from `from` to whoever receives from it.
-    pub fn deliver(&self, from: usize, m: Msg) {
-        let _ = self.tx[from].send(m);
+    if len > room || len % mine.dtype.size() != 0 || (len == 0 && room > 0) {
+        return Err(CommError::Protocol(format!(
+            "rank {peer} sent a {len}-byte frame where rank {me} expected {room} more bytes in {mine}"
+        )));
     }
-    /// First error wins; wakes every waiter. Returns false if it was already poisoned.
-    pub fn poison(&self, err: CommError) -> bool {
-        let mut p = self.poison.lock().unwrap();
-        if p.is_some() {
-            return false;
-        }
-        *p = Some(err);
-        drop(p);
-        for tx in &self.tx {
-            let _ = tx.send(Msg::Wake);
-        }
-        true
-    }
-    pub fn poisoned(&self) -> Option<CommError> {
-        self.poison.lock().unwrap().clone()
-    }
-    pub fn recv(&self, peer: usize, timeout: Duration, during: &dyn Fn() -> String) -> CommResult<Frame> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(e) = self.poisoned() {
-                return Err(e);
-            }
-            match self.rx[peer].recv_deadline(deadline) {
-                Ok(Msg::Frame(f)) => return Ok(f),
-                Ok(Msg::Wake) => continue,
-                Ok(Msg::Left) => {
-                    // Keep reporting it if asked again.
-                    let _ = self.tx[peer].send(Msg::Left);
-                    return Err(CommError::PeerLeft { peer, during: during() });
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(CommError::Timeout { peer, timeout, during: during() })
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(CommError::PeerLost { peer, detail: "channel closed".into() })
-                }
-            }
-        }
-    }
+    Ok(())
 }

@@ -1,0 +1,209 @@
+//! Measuring collectives the way nccl-tests does: per-rank median time of each operation after
+//! warm-up, the slowest rank's median as the result, and two bandwidths:
+//!
+//! * algbw = bytes / time — what the caller sees;
+//! * busbw = algbw × factor — the bytes each link actually carried, comparable across world sizes:
+//!   2(n−1)/n for all_reduce, (n−1)/n for all_gather and reduce_scatter, 1 for broadcast.
+//!
+//! Used by the `collectives` bin, lesson 03 and its notebook. Also measures the limits the numbers
+//! should be read against: one loopback TCP stream, and memcpy.
+
+use crate::comm::{Algo, CommResult, OpKind, ProcessGroup, ReduceOp};
+use serde::{Deserialize, Serialize};
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+use tch::{Device, Kind, Tensor};
+
+/// One measured line.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BenchRecord {
+    #[serde(rename = "impl")]
+    pub impl_: String,
+    pub op: String,
+    pub algo: String,
+    pub world_size: usize,
+    pub bytes: u64,
+    pub median_s: f64,
+    #[serde(rename = "algbw_GBps")]
+    pub algbw_gbps: f64,
+    #[serde(rename = "busbw_GBps")]
+    pub busbw_gbps: f64,
+    #[serde(default)]
+    pub iters: usize,
+}
+
+/// The collectives the benchmark knows.
+pub const OPS: [OpKind; 4] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::AllGather, OpKind::ReduceScatter];
+
+pub fn op_from_name(s: &str) -> Option<OpKind> {
+    OPS.into_iter().find(|o| o.name() == s)
+}
+
+/// busbw / algbw for `op` on `n` ranks.
+pub fn bus_factor(op: OpKind, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        OpKind::AllReduce => 2.0 * (n - 1.0) / n,
+        OpKind::AllGather | OpKind::ReduceScatter => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+impl BenchRecord {
+    pub fn new(impl_: &str, op: OpKind, algo: &str, n: usize, bytes: u64, median_s: f64, iters: usize) -> Self {
+        let algbw = bytes as f64 / median_s / 1e9;
+        BenchRecord {
+            impl_: impl_.into(),
+            op: op.name().into(),
+            algo: algo.into(),
+            world_size: n,
+            bytes,
+            median_s,
+            algbw_gbps: algbw,
+            busbw_gbps: algbw * bus_factor(op, n),
+            iters,
+        }
+    }
+}
+
+/// Parse "4K", "64K", "1M", "16M", "1G", "1000" into bytes (K/M/G are powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>().map(|v| v * mult).map_err(|_| format!("bad size {s:?} (use e.g. 4K, 16M, 1G or a byte count)"))
+}
+
+/// Human-readable bytes: 4K, 16M, 1.5G.
+pub fn fmt_size(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
+        b => format!("{b}B"),
+    }
+}
+
+/// How many iterations to time.
+#[derive(Clone, Copy, Debug)]
+pub enum Iters {
+    /// Enough for ~0.3 s of timed work, at least 5, at most 200 (decided by rank 0 for everybody).
+    Auto,
+    Fixed(usize),
+}
+
+/// Time `op` with `algo` on `bytes` bytes of f32 on every rank; returns the record (the same on
+/// every rank: the slowest rank's median).
+pub fn measure(pg: &ProcessGroup, impl_: &str, op: OpKind, algo: Algo, bytes: u64, warmup: usize, iters: Iters) -> CommResult<BenchRecord> {
+    let n = pg.world_size();
+    let f32s = |b: u64| (b / 4) as i64;
+    let opts = (Kind::Float, Device::Cpu);
+    // Zero-filled, so repeated sums stay finite however many iterations run.
+    let (mut a, mut b, real_bytes) = match op {
+        OpKind::AllGather | OpKind::ReduceScatter => {
+            let per = f32s(bytes) / n as i64;
+            (Tensor::zeros([per * n as i64], opts), Tensor::zeros([per], opts), (per * n as i64 * 4) as u64)
+        }
+        _ => (Tensor::zeros([f32s(bytes)], opts), Tensor::zeros([0], opts), (f32s(bytes) * 4) as u64),
+    };
+    let mut run = |pg: &ProcessGroup| -> CommResult<()> {
+        match op {
+            OpKind::AllReduce => pg.all_reduce_with(&mut a, ReduceOp::Sum, algo),
+            OpKind::Broadcast => pg.broadcast_with(&mut a, 0, algo),
+            OpKind::AllGather => pg.all_gather_with(&mut a, &b, algo),
+            OpKind::ReduceScatter => pg.reduce_scatter_with(&mut b, &a, ReduceOp::Sum, algo),
+            _ => unreachable!(),
+        }
+    };
+    let mut warm = Vec::new();
+    for _ in 0..warmup.max(1) {
+        pg.barrier()?;
+        let t = Instant::now();
+        run(pg)?;
+        warm.push(t.elapsed().as_secs_f64());
+    }
+    let iters = match iters {
+        Iters::Fixed(k) => k.max(1),
+        Iters::Auto => {
+            // Rank 0 decides from the slowest rank's warm-up median, so every rank runs the same count.
+            let mut m = Tensor::from_slice(&[median(&mut warm)]);
+            pg.all_reduce(&mut m, ReduceOp::Max)?;
+            let per = m.double_value(&[0]).max(1e-7);
+            let mut k = Tensor::from_slice(&[((0.3 / per) as i64).clamp(5, 200)]);
+            pg.broadcast(&mut k, 0)?;
+            k.int64_value(&[0]) as usize
+        }
+    };
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        pg.barrier()?;
+        let t = Instant::now();
+        run(pg)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let mut m = Tensor::from_slice(&[median(&mut times)]);
+    pg.all_reduce(&mut m, ReduceOp::Max)?;
+    Ok(BenchRecord::new(impl_, op, algo.name(), n, real_bytes, m.double_value(&[0]), iters))
+}
+
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let k = v.len();
+    if k == 0 {
+        f64::NAN
+    } else if k % 2 == 1 {
+        v[k / 2]
+    } else {
+        (v[k / 2 - 1] + v[k / 2]) / 2.0
+    }
+}
+
+/// Throughput of one loopback TCP stream (bytes/s) with the socket settings the tcp backend uses:
+/// the ceiling for what one link of the tcp backend can carry on this machine.
+pub fn loopback_tcp_throughput(total: usize) -> std::io::Result<f64> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let reader = std::thread::spawn(move || -> std::io::Result<usize> {
+        let (mut s, _) = l.accept()?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut got = 0;
+        loop {
+            let k = s.read(&mut buf)?;
+            if k == 0 {
+                return Ok(got);
+            }
+            got += k;
+        }
+    });
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let sock = socket2::SockRef::from(&s);
+    sock.set_send_buffer_size(4 << 20)?;
+    let buf = vec![1u8; 1 << 20];
+    let t = Instant::now();
+    let mut sent = 0;
+    while sent < total {
+        s.write_all(&buf)?;
+        sent += buf.len();
+    }
+    s.shutdown(std::net::Shutdown::Write)?;
+    let got = reader.join().unwrap()?;
+    Ok(got as f64 / t.elapsed().as_secs_f64())
+}
+
+/// memcpy bandwidth (bytes copied per second) on a buffer too large for the caches.
+pub fn memcpy_throughput(bytes: usize, reps: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src);
+    let t = Instant::now();
+    for _ in 0..reps {
+        dst.copy_from_slice(std::hint::black_box(&src));
+    }
+    std::hint::black_box(&dst);
+    (bytes * reps) as f64 / t.elapsed().as_secs_f64().max(Duration::from_nanos(1).as_secs_f64())
+}
