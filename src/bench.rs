@@ -98,7 +98,15 @@ pub enum Iters {
 
 /// Time `op` with `algo` on `bytes` bytes of f32 on every rank; returns the record (the same on
 /// every rank: the slowest rank's median).
-pub fn measure(pg: &ProcessGroup, impl_: &str, op: OpKind, algo: Algo, bytes: u64, warmup: usize, iters: Iters) -> CommResult<BenchRecord> {
+pub fn measure(
+    pg: &ProcessGroup,
+    impl_: &str,
+    op: OpKind,
+    algo: Algo,
+    bytes: u64,
+    warmup: usize,
+    iters: Iters,
+) -> CommResult<BenchRecord> {
     let n = pg.world_size();
     let f32s = |b: u64| (b / 4) as i64;
     let opts = (Kind::Float, Device::Cpu);

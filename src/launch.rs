@@ -127,9 +127,12 @@ where
         return Err(LaunchError::one("world_size must be at least 1"));
     }
     match (opts.backend, opts.launch) {
-        (Backend::Local, Launch::Processes) => Err(LaunchError::one("the local backend runs ranks as threads; use Backend::Tcp for processes")),
+        (Backend::Local, Launch::Processes) => {
+            Err(LaunchError::one("the local backend runs ranks as threads; use Backend::Tcp for processes"))
+        }
         (Backend::Local, Launch::Threads) => {
-            let pgs = ProcessGroup::local_world(opts.world_size, opts.config.clone()).map_err(|e| LaunchError::one(e.to_string()))?;
+            let pgs = ProcessGroup::local_world(opts.world_size, opts.config.clone())
+                .map_err(|e| LaunchError::one(e.to_string()))?;
             set_threads(&opts, opts.world_size);
             run_threads(pgs.into_iter().map(Ok).collect(), &f)
         }
@@ -140,7 +143,10 @@ where
             let cfg = opts.config.clone();
             std::thread::scope(|s| {
                 let hs: Vec<_> = inits.iter().map(|i| s.spawn(|| ProcessGroup::init_tcp(i, cfg.clone()))).collect();
-                let pgs: Vec<_> = hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(crate::comm::CommError::Io("init panicked".into())))).collect();
+                let pgs: Vec<_> = hs
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Err(crate::comm::CommError::Io("init panicked".into()))))
+                    .collect();
                 run_threads(pgs, &f)
             })
         }
@@ -149,7 +155,14 @@ where
 }
 
 fn tcp_init(rank: usize, world_size: usize, port: u16) -> TcpInit {
-    TcpInit { rank, world_size, master_addr: "127.0.0.1".into(), master_port: port, local_rank: rank, local_world_size: world_size }
+    TcpInit {
+        rank,
+        world_size,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        local_rank: rank,
+        local_world_size: world_size,
+    }
 }
 
 /// A port that is free right now on loopback (the kernel picks it).
@@ -201,7 +214,10 @@ fn collect<R>(results: Vec<Result<R, String>>) -> Result<Vec<R>, LaunchError> {
 }
 
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "(non-string panic)".into())
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(non-string panic)".into())
 }
 
 #[derive(Serialize, Deserialize)]
@@ -232,7 +248,10 @@ where
             prev(info);
         }));
     }
-    let cfg: CommConfig = std::env::var(ENV_CONFIG).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_else(|| opts.config.clone());
+    let cfg: CommConfig = std::env::var(ENV_CONFIG)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or_else(|| opts.config.clone());
     let outcome = TcpInit::from_env().and_then(|init| {
         set_threads(opts, init.local_world_size);
         ProcessGroup::init_tcp(&init, cfg)
@@ -329,7 +348,9 @@ fn run_processes<R: DeserializeOwned>(call: usize, opts: &SpawnOptions) -> Resul
             match (parsed, status[r]) {
                 (Some(ChildOutcome::Ok(v)), Some(s)) if s.success() => Ok(v),
                 (Some(ChildOutcome::Err(m)), _) => Err(m),
-                (_, _) if killed[r] => Err(format!("killed after another rank failed and this one did not stop within {:?}", opts.grace)),
+                (_, _) if killed[r] => {
+                    Err(format!("killed after another rank failed and this one did not stop within {:?}", opts.grace))
+                }
                 (_, Some(s)) => Err(format!("process exited with {s} without reporting a result")),
                 (_, None) => Err("process status unknown".into()),
             }

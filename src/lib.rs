@@ -7,13 +7,15 @@
 //!
 //! Start with `use shardlab::prelude::*;`.
 
-pub mod comm;
 pub mod bench;
+pub mod comm;
 pub mod launch;
 
 /// Everything a lesson, bin or notebook usually needs.
 pub mod prelude {
-    pub use crate::comm::{Algo, Backend, CommConfig, CommError, CommResult, CommStats, DType, ProcessGroup, ReduceOp, TcpInit, Work};
+    pub use crate::comm::{
+        Algo, Backend, CommConfig, CommError, CommResult, CommStats, DType, ProcessGroup, ReduceOp, TcpInit, Work,
+    };
     pub use crate::launch::{is_spawned_child, spawn, spawn_with, Launch, LaunchError, SpawnOptions};
     pub use tch::{Device, Kind, Tensor};
 }

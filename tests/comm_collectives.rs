@@ -23,7 +23,9 @@ fn reference(n: usize, numel: usize, kind: Kind, op: ReduceOp) -> Tensor {
 }
 
 fn same(a: &Tensor, b: &Tensor) -> bool {
-    a.size() == b.size() && a.kind() == b.kind() && a.to_kind(Kind::Double).allclose(&b.to_kind(Kind::Double), 1e-6, 1e-6, false)
+    a.size() == b.size()
+        && a.kind() == b.kind()
+        && a.to_kind(Kind::Double).allclose(&b.to_kind(Kind::Double), 1e-6, 1e-6, false)
 }
 
 /// Small frames so even modest tensors travel as many pipelined chunks.
@@ -45,7 +47,11 @@ fn check_all(backend: Backend) {
             let mut bad = Vec::new();
             for &kind in &KINDS {
                 for &numel in &SIZES {
-                    let ops: &[ReduceOp] = if kind == Kind::Int64 { &[ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] } else { &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] };
+                    let ops: &[ReduceOp] = if kind == Kind::Int64 {
+                        &[ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min]
+                    } else {
+                        &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min]
+                    };
                     for algo in [Algo::Naive, Algo::Ring] {
                         for &op in ops {
                             let mut t = input(r, numel, kind);
@@ -79,7 +85,11 @@ fn check_all(backend: Backend) {
                     }
                     for algo in [Algo::Naive, Algo::Tree] {
                         for root in 0..n {
-                            let mut t = if r == root { input(root, numel, kind) } else { Tensor::zeros([numel as i64], (kind, Device::Cpu)) };
+                            let mut t = if r == root {
+                                input(root, numel, kind)
+                            } else {
+                                Tensor::zeros([numel as i64], (kind, Device::Cpu))
+                            };
                             pg.broadcast_with(&mut t, root, algo)?;
                             if !same(&t, &input(root, numel, kind)) {
                                 bad.push(format!("broadcast {algo:?} root={root} {kind:?} numel={numel}"));
@@ -126,8 +136,10 @@ fn send_recv_ring_and_async_ops() {
                 }
                 let from_prev = got.double_value(&[9_999]) as usize == (r + n - 1) % n;
                 // Several async all-reduces in flight, then a blocking one: order is kept.
-                let ts: Vec<Tensor> = (0..4).map(|k| Tensor::full([777], (r * 10 + k) as f64, (Kind::Float, Device::Cpu))).collect();
-                let works: Vec<Work> = ts.iter().map(|t| pg.all_reduce_async(t, ReduceOp::Sum)).collect::<CommResult<_>>()?;
+                let ts: Vec<Tensor> =
+                    (0..4).map(|k| Tensor::full([777], (r * 10 + k) as f64, (Kind::Float, Device::Cpu))).collect();
+                let works: Vec<Work> =
+                    ts.iter().map(|t| pg.all_reduce_async(t, ReduceOp::Sum)).collect::<CommResult<_>>()?;
                 let mut last = Tensor::ones([3], (Kind::Float, Device::Cpu));
                 pg.all_reduce(&mut last, ReduceOp::Sum)?;
                 for w in works {
@@ -140,7 +152,11 @@ fn send_recv_ring_and_async_ops() {
             let tri = (0..n).map(|q| q * 10).sum::<usize>() as f64;
             for (from_prev, sums, last) in res {
                 assert!(from_prev, "{backend:?} n={n}: recv got the wrong sender's data");
-                assert_eq!(sums, (0..4).map(|k| tri + (k * n) as f64).collect::<Vec<_>>(), "{backend:?} n={n}: async all_reduce");
+                assert_eq!(
+                    sums,
+                    (0..4).map(|k| tri + (k * n) as f64).collect::<Vec<_>>(),
+                    "{backend:?} n={n}: async all_reduce"
+                );
                 assert_eq!(last, n as f64);
             }
         }

@@ -59,7 +59,8 @@ fn algos_for(spec: &str, op: OpKind) -> Result<Vec<Algo>> {
         list => {
             let mut v = Vec::new();
             for name in list.split(',') {
-                let a = <Algo as clap::ValueEnum>::from_str(name.trim(), true).map_err(|_| anyhow::anyhow!("unknown algorithm {name:?}"))?;
+                let a = <Algo as clap::ValueEnum>::from_str(name.trim(), true)
+                    .map_err(|_| anyhow::anyhow!("unknown algorithm {name:?}"))?;
                 if supported.contains(&a) {
                     v.push(a);
                 }
@@ -77,9 +78,13 @@ fn main() -> Result<()> {
     let ops: Vec<OpKind> = args
         .ops
         .split(',')
-        .map(|s| bench::op_from_name(s.trim()).with_context(|| format!("unknown op {s:?} (all_reduce, broadcast, all_gather, reduce_scatter)")))
+        .map(|s| {
+            bench::op_from_name(s.trim())
+                .with_context(|| format!("unknown op {s:?} (all_reduce, broadcast, all_gather, reduce_scatter)"))
+        })
         .collect::<Result<_>>()?;
-    let sizes: Vec<u64> = args.sizes.split(',').map(bench::parse_size).collect::<Result<_, _>>().map_err(anyhow::Error::msg)?;
+    let sizes: Vec<u64> =
+        args.sizes.split(',').map(bench::parse_size).collect::<Result<_, _>>().map_err(anyhow::Error::msg)?;
     let iters = match args.iters.as_str() {
         "auto" => Iters::Auto,
         k => Iters::Fixed(k.parse().context("--iters takes `auto` or a number")?),
@@ -123,8 +128,28 @@ fn main() -> Result<()> {
     if args.limits {
         let tcp = bench::loopback_tcp_throughput(1 << 30)?;
         let mem = bench::memcpy_throughput(256 << 20, 8);
-        rows.push(BenchRecord { impl_: "limit".into(), op: "tcp_stream".into(), algo: "-".into(), world_size: 1, bytes: 1 << 30, median_s: (1u64 << 30) as f64 / tcp, algbw_gbps: tcp / 1e9, busbw_gbps: tcp / 1e9, iters: 1 });
-        rows.push(BenchRecord { impl_: "limit".into(), op: "memcpy".into(), algo: "-".into(), world_size: 1, bytes: 256 << 20, median_s: (256u64 << 20) as f64 / mem, algbw_gbps: mem / 1e9, busbw_gbps: mem / 1e9, iters: 8 });
+        rows.push(BenchRecord {
+            impl_: "limit".into(),
+            op: "tcp_stream".into(),
+            algo: "-".into(),
+            world_size: 1,
+            bytes: 1 << 30,
+            median_s: (1u64 << 30) as f64 / tcp,
+            algbw_gbps: tcp / 1e9,
+            busbw_gbps: tcp / 1e9,
+            iters: 1,
+        });
+        rows.push(BenchRecord {
+            impl_: "limit".into(),
+            op: "memcpy".into(),
+            algo: "-".into(),
+            world_size: 1,
+            bytes: 256 << 20,
+            median_s: (256u64 << 20) as f64 / mem,
+            algbw_gbps: mem / 1e9,
+            busbw_gbps: mem / 1e9,
+            iters: 8,
+        });
     }
     if json {
         for r in &rows {
@@ -145,7 +170,19 @@ fn run_gloo(args: &Args) -> Result<Vec<BenchRecord>> {
     }
     let out = std::process::Command::new(py)
         .arg(script)
-        .args(["--world-size", &args.world_size.to_string(), "--ops", &args.ops, "--sizes", &args.sizes, "--iters", &args.iters, "--warmup", &args.warmup.to_string(), "--json"])
+        .args([
+            "--world-size",
+            &args.world_size.to_string(),
+            "--ops",
+            &args.ops,
+            "--sizes",
+            &args.sizes,
+            "--iters",
+            &args.iters,
+            "--warmup",
+            &args.warmup.to_string(),
+            "--json",
+        ])
         .stderr(std::process::Stdio::inherit())
         .output()
         .context("running the Gloo benchmark")?;
@@ -160,9 +197,14 @@ fn run_gloo(args: &Args) -> Result<Vec<BenchRecord>> {
 }
 
 fn print_table(rows: &[BenchRecord]) {
-    println!("{:<15} {:<15} {:<6} {:>5} {:>8} {:>12} {:>11} {:>11} {:>9}", "impl", "op", "algo", "n", "bytes", "median_us", "algbw_GB/s", "busbw_GB/s", "vs_gloo");
+    println!(
+        "{:<15} {:<15} {:<6} {:>5} {:>8} {:>12} {:>11} {:>11} {:>9}",
+        "impl", "op", "algo", "n", "bytes", "median_us", "algbw_GB/s", "busbw_GB/s", "vs_gloo"
+    );
     for r in rows {
-        let gloo = rows.iter().find(|g| g.impl_ == "gloo" && g.op == r.op && g.world_size == r.world_size && g.bytes == r.bytes);
+        let gloo = rows
+            .iter()
+            .find(|g| g.impl_ == "gloo" && g.op == r.op && g.world_size == r.world_size && g.bytes == r.bytes);
         let ratio = match gloo {
             Some(g) if r.impl_ != "gloo" && r.impl_ != "limit" => format!("{:.2}x", r.busbw_gbps / g.busbw_gbps),
             _ => String::new(),

@@ -103,7 +103,14 @@ impl Ctx<'_> {
                     dtype::reduce_into(dt, op, &mut dst[off..off + b.len()], b);
                     Ok(())
                 };
-                self.t.exchange(&self.desc, next, send, self.chunk, Recv { peer: prev, total, dst: None, on_data: &mut on }, self.timeout)
+                self.t.exchange(
+                    &self.desc,
+                    next,
+                    send,
+                    self.chunk,
+                    Recv { peer: prev, total, dst: None, on_data: &mut on },
+                    self.timeout,
+                )
             }
             Apply::ReduceFrom(op, base) => {
                 let mut on = |off: usize, b: &[u8]| {
@@ -112,7 +119,14 @@ impl Ctx<'_> {
                     dtype::reduce_into(dt, op, d, b);
                     Ok(())
                 };
-                self.t.exchange(&self.desc, next, send, self.chunk, Recv { peer: prev, total, dst: None, on_data: &mut on }, self.timeout)
+                self.t.exchange(
+                    &self.desc,
+                    next,
+                    send,
+                    self.chunk,
+                    Recv { peer: prev, total, dst: None, on_data: &mut on },
+                    self.timeout,
+                )
             }
         };
         res?;
@@ -130,7 +144,8 @@ pub fn segment(numel: usize, n: usize, i: usize, esize: usize) -> Range<usize> {
 /// Parent and children of relative rank `v` (= (rank − root) mod n) in a binomial broadcast tree.
 /// Children are listed biggest subtree first.
 pub fn binomial_tree(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
-    let (parent, mask) = if v == 0 { (None, n.next_power_of_two()) } else { (Some(v - (v & v.wrapping_neg())), v & v.wrapping_neg()) };
+    let (parent, mask) =
+        if v == 0 { (None, n.next_power_of_two()) } else { (Some(v - (v & v.wrapping_neg())), v & v.wrapping_neg()) };
     let mut children = Vec::new();
     let mut m = mask >> 1;
     while m > 0 {

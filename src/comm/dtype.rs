@@ -98,7 +98,13 @@ fn typed<T>(b: &[u8]) -> &[T] {
         return &[];
     }
     let s = std::mem::size_of::<T>();
-    assert!(b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0, "misaligned {:p} {} {}", b.as_ptr(), b.len(), s);
+    assert!(
+        b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0,
+        "misaligned {:p} {} {}",
+        b.as_ptr(),
+        b.len(),
+        s
+    );
     unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, b.len() / s) }
 }
 fn typed_mut<T>(b: &mut [u8]) -> &mut [T] {
@@ -106,7 +112,13 @@ fn typed_mut<T>(b: &mut [u8]) -> &mut [T] {
         return &mut [];
     }
     let s = std::mem::size_of::<T>();
-    assert!(b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0, "misaligned {:p} {} {}", b.as_ptr(), b.len(), s);
+    assert!(
+        b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0,
+        "misaligned {:p} {} {}",
+        b.as_ptr(),
+        b.len(),
+        s
+    );
     unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, b.len() / s) }
 }
 
@@ -215,7 +227,8 @@ impl TensorBytes {
             e => e,
         })?;
         let numel = t.numel();
-        let ptr = if numel == 0 { std::ptr::NonNull::<u64>::dangling().as_ptr() as *mut u8 } else { t.data_ptr() as *mut u8 };
+        let ptr =
+            if numel == 0 { std::ptr::NonNull::<u64>::dangling().as_ptr() as *mut u8 } else { t.data_ptr() as *mut u8 };
         Ok(TensorBytes { ptr, len: numel * dtype.size(), dtype, numel })
     }
     pub fn bytes(&self) -> &[u8] {

@@ -58,8 +58,12 @@ impl Inbox {
                     let _ = self.tx[peer].send(Msg::Left); // keep reporting it
                     return Err(CommError::PeerLeft { peer, during: desc.to_string() });
                 }
-                Err(RecvTimeoutError::Timeout) => return Err(CommError::Timeout { peer, timeout, during: desc.to_string() }),
-                Err(RecvTimeoutError::Disconnected) => return Err(CommError::PeerLost { peer, detail: "channel closed".into() }),
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(CommError::Timeout { peer, timeout, during: desc.to_string() })
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(CommError::PeerLost { peer, detail: "channel closed".into() })
+                }
             }
         }
     }
@@ -126,7 +130,15 @@ impl Transport for LocalTransport {
             }
         }
     }
-    fn exchange(&self, desc: &OpDesc, to: usize, payload: &[u8], chunk: usize, mut r: Recv, timeout: Duration) -> CommResult<()> {
+    fn exchange(
+        &self,
+        desc: &OpDesc,
+        to: usize,
+        payload: &[u8],
+        chunk: usize,
+        mut r: Recv,
+        timeout: Duration,
+    ) -> CommResult<()> {
         // Sends never block here, so interleaving chunk by chunk keeps both sides moving.
         let (mut s, mut off) = (0usize, 0usize);
         let (mut sent_any, mut recv_any) = (false, false);

@@ -241,7 +241,10 @@ impl Inner {
                 )));
             }
             if spec.reduce == Some(ReduceOp::Avg) && spec.dtype == DType::I64 {
-                return Err(CommError::InvalidArgument(format!("{}: Avg is not defined for i64 tensors", spec.op.name())));
+                return Err(CommError::InvalidArgument(format!(
+                    "{}: Avg is not defined for i64 tensors",
+                    spec.op.name()
+                )));
             }
             let seq = match (spec.op, spec.peer) {
                 (OpKind::Send, Some(p)) => {
@@ -293,7 +296,13 @@ impl Inner {
 }
 
 impl ProcessGroup {
-    fn new(t: Box<dyn Transport>, backend: Backend, cfg: CommConfig, local: (usize, usize), store: Option<store::StoreServer>) -> Self {
+    fn new(
+        t: Box<dyn Transport>,
+        backend: Backend,
+        cfg: CommConfig,
+        local: (usize, usize),
+        store: Option<store::StoreServer>,
+    ) -> Self {
         let (rank, n) = (t.rank(), t.world_size());
         ProcessGroup {
             inner: Arc::new(Inner {
@@ -341,10 +350,9 @@ impl ProcessGroup {
         cfg.validate()?;
         let master = format!("{}:{}", init.master_addr, init.master_port);
         let server = if rank == 0 {
-            let ip: std::net::IpAddr = cfg
-                .store_bind
-                .parse()
-                .map_err(|_| CommError::InvalidArgument(format!("SHARDLAB_STORE_BIND {:?} is not an IP address", cfg.store_bind)))?;
+            let ip: std::net::IpAddr = cfg.store_bind.parse().map_err(|_| {
+                CommError::InvalidArgument(format!("SHARDLAB_STORE_BIND {:?} is not an IP address", cfg.store_bind))
+            })?;
             Some(store::StoreServer::bind(std::net::SocketAddr::new(ip, init.master_port), &cfg.job_id)?)
         } else {
             None
@@ -431,7 +439,15 @@ impl ProcessGroup {
     /// Wait until every rank reached the barrier.
     pub fn barrier(&self) -> CommResult<()> {
         self.run(|i| {
-            let spec = OpSpec { op: OpKind::Barrier, dtype: DType::I64, numel: 0, root: 0, reduce: None, algo: Algo::Naive, peer: None };
+            let spec = OpSpec {
+                op: OpKind::Barrier,
+                dtype: DType::I64,
+                numel: 0,
+                root: 0,
+                reduce: None,
+                algo: Algo::Naive,
+                peer: None,
+            };
             i.exec(spec, algo::barrier)
         })
     }
@@ -446,7 +462,15 @@ impl ProcessGroup {
         let tb = dtype::TensorBytes::of(t, "send").map_err(|e| self.fail(e))?;
         let me = self.rank();
         self.run(move |i| {
-            let spec = OpSpec { op: OpKind::Send, dtype: tb.dtype, numel: tb.numel, root: me, reduce: None, algo: Algo::Naive, peer: Some(dst) };
+            let spec = OpSpec {
+                op: OpKind::Send,
+                dtype: tb.dtype,
+                numel: tb.numel,
+                root: me,
+                reduce: None,
+                algo: Algo::Naive,
+                peer: Some(dst),
+            };
             i.exec(spec, |c| algo::send(c, dst, tb.bytes()))
         })
     }
@@ -459,7 +483,15 @@ impl ProcessGroup {
         }
         let tb = dtype::TensorBytes::of(t, "recv").map_err(|e| self.fail(e))?;
         self.run(move |i| {
-            let spec = OpSpec { op: OpKind::Send, dtype: tb.dtype, numel: tb.numel, root: src, reduce: None, algo: Algo::Naive, peer: Some(src) };
+            let spec = OpSpec {
+                op: OpKind::Send,
+                dtype: tb.dtype,
+                numel: tb.numel,
+                root: src,
+                reduce: None,
+                algo: Algo::Naive,
+                peer: Some(src),
+            };
             i.exec(spec, |c| algo::recv(c, src, tb.bytes_mut()))
         })
     }
@@ -469,13 +501,26 @@ impl ProcessGroup {
         e
     }
 
-    fn broadcast_job(&self, t: &Tensor, root: usize, algo: Algo) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
+    fn broadcast_job(
+        &self,
+        t: &Tensor,
+        root: usize,
+        algo: Algo,
+    ) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
         self.inner.check_rank("broadcast: root", root)?;
         let tb = dtype::TensorBytes::of(t, "broadcast").map_err(|e| self.fail(e))?;
         let keep = t.shallow_clone();
         Ok(move |i: &Inner| {
             let _keep = keep;
-            let spec = OpSpec { op: OpKind::Broadcast, dtype: tb.dtype, numel: tb.numel, root, reduce: None, algo, peer: None };
+            let spec = OpSpec {
+                op: OpKind::Broadcast,
+                dtype: tb.dtype,
+                numel: tb.numel,
+                root,
+                reduce: None,
+                algo,
+                peer: None,
+            };
             i.exec(spec, |c| match algo {
                 Algo::Naive => algo::broadcast_naive(c, tb.bytes_mut(), root),
                 _ => algo::broadcast_tree(c, tb.bytes_mut(), root),
@@ -496,12 +541,25 @@ impl ProcessGroup {
         Ok(self.submit(self.broadcast_job(t, root, self.inner.cfg.broadcast_algo)?))
     }
 
-    fn all_reduce_job(&self, t: &Tensor, op: ReduceOp, algo: Algo) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
+    fn all_reduce_job(
+        &self,
+        t: &Tensor,
+        op: ReduceOp,
+        algo: Algo,
+    ) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
         let tb = dtype::TensorBytes::of(t, "all_reduce").map_err(|e| self.fail(e))?;
         let keep = t.shallow_clone();
         Ok(move |i: &Inner| {
             let _keep = keep;
-            let spec = OpSpec { op: OpKind::AllReduce, dtype: tb.dtype, numel: tb.numel, root: 0, reduce: Some(op), algo, peer: None };
+            let spec = OpSpec {
+                op: OpKind::AllReduce,
+                dtype: tb.dtype,
+                numel: tb.numel,
+                root: 0,
+                reduce: Some(op),
+                algo,
+                peer: None,
+            };
             i.exec(spec, |c| match algo {
                 Algo::Naive => algo::all_reduce_naive(c, tb.bytes_mut(), op),
                 _ => algo::all_reduce_ring(c, tb.bytes_mut(), op),
@@ -527,7 +585,11 @@ impl ProcessGroup {
         let b = dtype::TensorBytes::of(big, what).map_err(|e| self.fail(e))?;
         let s = dtype::TensorBytes::of(small, what).map_err(|e| self.fail(e))?;
         if b.dtype != s.dtype {
-            return Err(self.fail(CommError::InvalidArgument(format!("{what}: input and output dtypes differ ({} vs {})", b.dtype.name(), s.dtype.name()))));
+            return Err(self.fail(CommError::InvalidArgument(format!(
+                "{what}: input and output dtypes differ ({} vs {})",
+                b.dtype.name(),
+                s.dtype.name()
+            ))));
         }
         if b.numel != s.numel * self.world_size() {
             return Err(self.fail(CommError::InvalidArgument(format!(
@@ -540,12 +602,25 @@ impl ProcessGroup {
         Ok((b, s))
     }
 
-    fn all_gather_job(&self, out: &Tensor, input: &Tensor, algo: Algo) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
+    fn all_gather_job(
+        &self,
+        out: &Tensor,
+        input: &Tensor,
+        algo: Algo,
+    ) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
         let (o, x) = self.pair("all_gather", out, input)?;
         let keep = (out.shallow_clone(), input.shallow_clone());
         Ok(move |i: &Inner| {
             let _keep = keep;
-            let spec = OpSpec { op: OpKind::AllGather, dtype: x.dtype, numel: x.numel, root: 0, reduce: None, algo, peer: None };
+            let spec = OpSpec {
+                op: OpKind::AllGather,
+                dtype: x.dtype,
+                numel: x.numel,
+                root: 0,
+                reduce: None,
+                algo,
+                peer: None,
+            };
             i.exec(spec, |c| match algo {
                 Algo::Naive => algo::all_gather_naive(c, o.bytes_mut(), x.bytes()),
                 _ => algo::all_gather_ring(c, o.bytes_mut(), x.bytes()),
@@ -567,12 +642,26 @@ impl ProcessGroup {
         Ok(self.submit(self.all_gather_job(out, input, self.inner.cfg.all_gather_algo)?))
     }
 
-    fn reduce_scatter_job(&self, out: &Tensor, input: &Tensor, op: ReduceOp, algo: Algo) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
+    fn reduce_scatter_job(
+        &self,
+        out: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+        algo: Algo,
+    ) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
         let (x, o) = self.pair("reduce_scatter", input, out)?;
         let keep = (out.shallow_clone(), input.shallow_clone());
         Ok(move |i: &Inner| {
             let _keep = keep;
-            let spec = OpSpec { op: OpKind::ReduceScatter, dtype: x.dtype, numel: x.numel, root: 0, reduce: Some(op), algo, peer: None };
+            let spec = OpSpec {
+                op: OpKind::ReduceScatter,
+                dtype: x.dtype,
+                numel: x.numel,
+                root: 0,
+                reduce: Some(op),
+                algo,
+                peer: None,
+            };
             i.exec(spec, |c| match algo {
                 Algo::Naive => algo::reduce_scatter_naive(c, o.bytes_mut(), x.bytes(), op),
                 _ => algo::reduce_scatter_ring(c, o.bytes_mut(), x.bytes(), op),
@@ -603,7 +692,9 @@ impl Drop for ProcessGroup {
             let _ = h.join();
         }
         if std::thread::panicking() {
-            self.inner.t.abort(&CommError::Aborted { by: self.rank(), reason: format!("rank {} panicked", self.rank()) });
+            self.inner
+                .t
+                .abort(&CommError::Aborted { by: self.rank(), reason: format!("rank {} panicked", self.rank()) });
         } else if self.inner.t.poisoned().is_none() {
             self.inner.t.leave();
         }
@@ -626,8 +717,13 @@ impl TcpInit {
     pub fn from_env() -> CommResult<Self> {
         fn var<T: std::str::FromStr>(name: &str, default: Option<T>) -> CommResult<T> {
             match std::env::var(name) {
-                Ok(v) => v.trim().parse().map_err(|_| CommError::InvalidArgument(format!("{name}={v:?} is not a valid number"))),
-                Err(_) => default.ok_or_else(|| CommError::InvalidArgument(format!("{name} is not set (expected as torchrun sets it)"))),
+                Ok(v) => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| CommError::InvalidArgument(format!("{name}={v:?} is not a valid number"))),
+                Err(_) => default.ok_or_else(|| {
+                    CommError::InvalidArgument(format!("{name} is not set (expected as torchrun sets it)"))
+                }),
             }
         }
         let rank = var("RANK", None)?;

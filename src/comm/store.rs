@@ -173,7 +173,11 @@ fn serve(mut s: TcpStream, shared: &Shared, job: &str) -> std::io::Result<()> {
             (CMD_ADD, true) => {
                 let delta = val.get(0..8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).unwrap_or(0);
                 let mut map = shared.map.lock().unwrap();
-                let cur = map.get(&key).and_then(|v| v.get(0..8)).map(|b| i64::from_le_bytes(b.try_into().unwrap())).unwrap_or(0);
+                let cur = map
+                    .get(&key)
+                    .and_then(|v| v.get(0..8))
+                    .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                    .unwrap_or(0);
                 let new = cur.wrapping_add(delta);
                 map.insert(key, new.to_le_bytes().to_vec());
                 drop(map);
@@ -266,7 +270,10 @@ impl StoreClient {
     /// Atomically add `delta` to the counter `key` and return the new value.
     pub fn add(&mut self, key: &str, delta: i64) -> CommResult<i64> {
         let (_, data) = self.request(CMD_ADD, key, &delta.to_le_bytes())?;
-        let b: [u8; 8] = data.get(0..8).and_then(|b| b.try_into().ok()).ok_or_else(|| CommError::Protocol("bad ADD reply".into()))?;
+        let b: [u8; 8] = data
+            .get(0..8)
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| CommError::Protocol("bad ADD reply".into()))?;
         Ok(i64::from_le_bytes(b))
     }
 }

@@ -57,10 +57,17 @@ fn tune(s: &TcpStream) {
 
 impl TcpTransport {
     /// Build the mesh: listen, publish our address, connect to lower ranks, accept higher ones.
-    pub fn connect(rank: usize, world: usize, store: &mut StoreClient, ip: IpAddr, cfg: &CommConfig) -> CommResult<Self> {
+    pub fn connect(
+        rank: usize,
+        world: usize,
+        store: &mut StoreClient,
+        ip: IpAddr,
+        cfg: &CommConfig,
+    ) -> CommResult<Self> {
         let rdv = |m: String| CommError::Rendezvous(format!("rank {rank}: {m}"));
         let job = job_hash(&cfg.job_id);
-        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| rdv(format!("cannot listen on {ip}: {e}")))?;
+        let listener =
+            TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| rdv(format!("cannot listen on {ip}: {e}")))?;
         let me = listener.local_addr().map_err(|e| CommError::io("local_addr", e))?;
         store.set(&format!("addr/{rank}"), me.to_string().as_bytes())?;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
@@ -77,9 +84,11 @@ impl TcpTransport {
             let mut s = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(100)))
                 .map_err(|e| rdv(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
             s.set_read_timeout(Some(left.max(Duration::from_millis(100)))).ok();
-            s.write_all(&handshake_bytes(job, rank, world)).map_err(|e| rdv(format!("handshake with rank {peer}: {e}")))?;
+            s.write_all(&handshake_bytes(job, rank, world))
+                .map_err(|e| rdv(format!("handshake with rank {peer}: {e}")))?;
             let mut ack = [0u8; 24];
-            s.read_exact(&mut ack).map_err(|e| rdv(format!("rank {peer} closed the handshake ({e}); different job or world size?")))?;
+            s.read_exact(&mut ack)
+                .map_err(|e| rdv(format!("rank {peer} closed the handshake ({e}); different job or world size?")))?;
             if ack != handshake_bytes(job, peer, world) {
                 return Err(rdv(format!("rank {peer} answered with a different job id or world size")));
             }
@@ -123,9 +132,12 @@ impl TcpTransport {
                 )));
             }
             if from <= rank || from >= world || socks[from].is_some() {
-                return Err(rdv(format!("unexpected connection claiming to be rank {from} (two processes with the same RANK?)")));
+                return Err(rdv(format!(
+                    "unexpected connection claiming to be rank {from} (two processes with the same RANK?)"
+                )));
             }
-            s.write_all(&handshake_bytes(job, rank, world)).map_err(|e| rdv(format!("handshake with rank {from}: {e}")))?;
+            s.write_all(&handshake_bytes(job, rank, world))
+                .map_err(|e| rdv(format!("handshake with rank {from}: {e}")))?;
             s.set_read_timeout(None).ok();
             socks[from] = Some(s);
             missing -= 1;
@@ -151,7 +163,13 @@ impl TcpTransport {
 
     /// Drive an optional send and an optional receive until both are done, waiting in poll(2)
     /// whenever neither side can move. The deadline restarts whenever a byte moves.
-    fn pump(&self, desc: &OpDesc, mut send: Option<SendState>, mut recv: Option<RecvState>, timeout: Duration) -> CommResult<()> {
+    fn pump(
+        &self,
+        desc: &OpDesc,
+        mut send: Option<SendState>,
+        mut recv: Option<RecvState>,
+        timeout: Duration,
+    ) -> CommResult<()> {
         let mut deadline = Instant::now() + timeout;
         loop {
             if let Some(e) = self.poisoned() {
@@ -208,9 +226,12 @@ impl TcpTransport {
                 st.hdr_pos = 0;
                 st.started = true;
             }
-            let res = (&peer.s).write_vectored(&[IoSlice::new(&st.hdr[st.hdr_pos..]), IoSlice::new(&st.payload[st.pos..st.end])]);
+            let res = (&peer.s)
+                .write_vectored(&[IoSlice::new(&st.hdr[st.hdr_pos..]), IoSlice::new(&st.payload[st.pos..st.end])]);
             match res {
-                Ok(0) => return Err(CommError::PeerLost { peer: st.peer, detail: "connection closed while sending".into() }),
+                Ok(0) => {
+                    return Err(CommError::PeerLost { peer: st.peer, detail: "connection closed while sending".into() })
+                }
                 Ok(k) => {
                     moved = true;
                     let h = k.min(HEADER_LEN - st.hdr_pos);
@@ -225,8 +246,44 @@ impl TcpTransport {
         Ok(moved)
     }
 
+    /// A socket broke. If the peer aborted on purpose, its reason is waiting in our receive
+    /// buffer (behind data frames we never read): report that instead of a bare "broken pipe".
     fn broken(&self, peer: usize, what: &str, e: std::io::Error) -> CommError {
-        self.poisoned().unwrap_or_else(|| CommError::PeerLost { peer, detail: format!("{what} failed: {e}") })
+        if let Some(p) = self.poisoned() {
+            return p;
+        }
+        let sock = &self.peer(peer).s;
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let mut h = [0u8; HEADER_LEN];
+        while Instant::now() < deadline {
+            if read_exact_until(sock, &mut h, deadline).is_err() {
+                break;
+            }
+            let Ok((kind, _, len)) = frame::decode_header(&h) else { break };
+            match kind {
+                FrameKind::Abort => {
+                    let e = CommError::Aborted { by: peer, reason: read_blocking(sock, len.min(64 << 10)) };
+                    return decode_abort(&e).unwrap_or(e);
+                }
+                FrameKind::Leave => return CommError::PeerLeft { peer, during: what.to_string() },
+                FrameKind::Data => {
+                    let mut sink = vec![0u8; len.min(1 << 20)];
+                    let mut left = len;
+                    while left > 0 {
+                        let k = left.min(sink.len());
+                        if read_exact_until(sock, &mut sink[..k], deadline).is_err() {
+                            left = usize::MAX;
+                            break;
+                        }
+                        left -= k;
+                    }
+                    if left == usize::MAX {
+                        break;
+                    }
+                }
+            }
+        }
+        CommError::PeerLost { peer, detail: format!("{what} failed: {e}") }
     }
 
     /// Read whatever has arrived for `st`; true if anything moved.
@@ -241,7 +298,9 @@ impl TcpTransport {
             loop {
                 match (&*sock).read(buf) {
                     Ok(0) if !buf.is_empty() => {
-                        return Err(self.poisoned().unwrap_or(CommError::PeerLost { peer: peer_id, detail: "connection closed".into() }))
+                        return Err(self
+                            .poisoned()
+                            .unwrap_or(CommError::PeerLost { peer: peer_id, detail: "connection closed".into() }));
                     }
                     Ok(k) => return Ok(Some(k)),
                     Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(None),
@@ -259,7 +318,8 @@ impl TcpTransport {
                     continue;
                 }
                 st.hdr_got = 0;
-                let (kind, theirs, len) = frame::decode_header(&st.hdr).map_err(|e| CommError::Protocol(format!("from rank {peer_id}: {e}")))?;
+                let (kind, theirs, len) = frame::decode_header(&st.hdr)
+                    .map_err(|e| CommError::Protocol(format!("from rank {peer_id}: {e}")))?;
                 match kind {
                     FrameKind::Data => {}
                     FrameKind::Leave => return Err(CommError::PeerLeft { peer: peer_id, during: desc.to_string() }),
@@ -346,6 +406,23 @@ fn decode_abort(e: &CommError) -> Option<CommError> {
     Some(CommError::Aborted { by: by.parse().ok()?, reason: rest.to_string() })
 }
 
+fn read_exact_until(s: &TcpStream, buf: &mut [u8], deadline: Instant) -> Result<(), ()> {
+    let mut got = 0;
+    while got < buf.len() {
+        if Instant::now() >= deadline {
+            return Err(());
+        }
+        match (&*s).read(&mut buf[got..]) {
+            Ok(0) => return Err(()),
+            Ok(k) => got += k,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_micros(200)),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Err(()),
+        }
+    }
+    Ok(())
+}
+
 fn read_blocking(s: &TcpStream, len: usize) -> String {
     let mut buf = vec![0u8; len];
     let mut got = 0;
@@ -402,7 +479,17 @@ struct RecvState<'a> {
 
 impl<'a> RecvState<'a> {
     fn new(r: Recv<'a>) -> Self {
-        RecvState { r, off: 0, hdr: [0; HEADER_LEN], hdr_got: 0, in_frame: false, frame_len: 0, frame_got: 0, staged: 0, frames: 0 }
+        RecvState {
+            r,
+            off: 0,
+            hdr: [0; HEADER_LEN],
+            hdr_got: 0,
+            in_frame: false,
+            frame_len: 0,
+            frame_got: 0,
+            staged: 0,
+            frames: 0,
+        }
     }
     fn done(&self) -> bool {
         self.frames > 0 && !self.in_frame && self.off == self.r.total
@@ -422,7 +509,15 @@ impl Transport for TcpTransport {
     fn recv(&self, desc: &OpDesc, r: Recv, timeout: Duration) -> CommResult<()> {
         self.pump(desc, None, Some(RecvState::new(r)), timeout)
     }
-    fn exchange(&self, desc: &OpDesc, to: usize, payload: &[u8], chunk: usize, r: Recv, timeout: Duration) -> CommResult<()> {
+    fn exchange(
+        &self,
+        desc: &OpDesc,
+        to: usize,
+        payload: &[u8],
+        chunk: usize,
+        r: Recv,
+        timeout: Duration,
+    ) -> CommResult<()> {
         self.pump(desc, Some(SendState::new(to, payload, chunk)), Some(RecvState::new(r)), timeout)
     }
     fn poisoned(&self) -> Option<CommError> {

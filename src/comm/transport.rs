@@ -29,7 +29,15 @@ pub(crate) trait Transport: Send + Sync {
     /// Receive one message.
     fn recv(&self, desc: &OpDesc, r: Recv, timeout: Duration) -> CommResult<()>;
     /// Send `payload` to `to` while receiving `r` — both directions at once, so rings never deadlock.
-    fn exchange(&self, desc: &OpDesc, to: usize, payload: &[u8], chunk: usize, r: Recv, timeout: Duration) -> CommResult<()>;
+    fn exchange(
+        &self,
+        desc: &OpDesc,
+        to: usize,
+        payload: &[u8],
+        chunk: usize,
+        r: Recv,
+        timeout: Duration,
+    ) -> CommResult<()>;
     /// The error that broke this group, if any.
     fn poisoned(&self) -> Option<CommError>;
     /// We failed: poison ourselves and tell every peer (best effort, never blocks for long).
@@ -39,7 +47,14 @@ pub(crate) trait Transport: Send + Sync {
 }
 
 /// Check an incoming frame against what this rank runs; `room` = bytes still expected.
-pub(crate) fn check_frame(me: usize, peer: usize, mine: &OpDesc, theirs: &OpDesc, len: usize, room: usize) -> CommResult<()> {
+pub(crate) fn check_frame(
+    me: usize,
+    peer: usize,
+    mine: &OpDesc,
+    theirs: &OpDesc,
+    len: usize,
+    room: usize,
+) -> CommResult<()> {
     if theirs != mine {
         return Err(CommError::Mismatch(format!("rank {me} is running {mine} but rank {peer} sent data for {theirs}")));
     }

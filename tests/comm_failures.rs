@@ -1,0 +1,349 @@
+//! Every failure is an error on every rank — never a hang, never a panic, never a wrong number:
+//! bad arguments, port in use, rendezvous timeout, ranks that disagree (size, dtype, order, root),
+//! a silent peer, a panicking or killed peer, strangers and garbage on the store port.
+
+use shardlab::comm::store::{StoreClient, StoreServer};
+use shardlab::prelude::*;
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+fn cfg(timeout: Duration) -> CommConfig {
+    CommConfig::default().with_timeout(timeout)
+}
+
+/// Run `f` on `n` thread ranks of `backend`; every rank's own Result (the launcher's Ok/Err
+/// wrapping removed), plus how long it took.
+fn run<F>(backend: Backend, n: usize, timeout: Duration, f: F) -> (Vec<Result<(), String>>, Duration)
+where
+    F: Fn(&ProcessGroup) -> CommResult<()> + Send + Sync,
+{
+    let t = Instant::now();
+    let out = spawn_with(SpawnOptions::new(n, backend).launch(Launch::Threads).config(cfg(timeout)), |pg| {
+        Ok(f(pg).map_err(|e| e.to_string()))
+    })
+    .expect("ranks return their errors as values");
+    (out, t.elapsed())
+}
+
+/// All ranks failed, quickly (long before the peer timeout), and at least one says `needle`.
+fn assert_all_fail_fast(res: &[Result<(), String>], took: Duration, needle: &str) {
+    assert!(res.iter().all(|r| r.is_err()), "every rank must fail, got {res:?}");
+    assert!(took < TIMEOUT / 2, "failure took {took:?}: ranks waited for the timeout instead of being told");
+    assert!(res.iter().any(|r| r.as_ref().unwrap_err().contains(needle)), "no rank mentions {needle:?}: {res:?}");
+}
+
+fn f32s(n: i64) -> Tensor {
+    Tensor::ones([n], (Kind::Float, Device::Cpu))
+}
+
+#[test]
+fn world_size_zero_and_rank_out_of_range() {
+    assert!(matches!(ProcessGroup::local_world(0, CommConfig::default()), Err(CommError::InvalidArgument(_))));
+    assert!(spawn(0, Backend::Local, |_| Ok(())).unwrap_err().to_string().contains("world_size"));
+    let init = |rank, world_size| TcpInit {
+        rank,
+        world_size,
+        master_addr: "127.0.0.1".into(),
+        master_port: 1,
+        local_rank: 0,
+        local_world_size: 1,
+    };
+    let e = ProcessGroup::init_tcp(&init(0, 0), CommConfig::default()).err().unwrap();
+    assert!(matches!(e, CommError::InvalidArgument(_)), "{e}");
+    let e = ProcessGroup::init_tcp(&init(2, 2), CommConfig::default()).err().unwrap();
+    assert!(e.to_string().contains("RANK 2 is out of range for WORLD_SIZE 2"), "{e}");
+}
+
+#[test]
+fn port_in_use_is_a_clear_error() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port();
+    let init = TcpInit {
+        rank: 0,
+        world_size: 1,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        local_rank: 0,
+        local_world_size: 1,
+    };
+    let e = ProcessGroup::init_tcp(&init, CommConfig::default()).err().unwrap();
+    assert!(matches!(e, CommError::Rendezvous(_)) && e.to_string().contains(&port.to_string()), "{e}");
+}
+
+#[test]
+fn rendezvous_times_out_with_names() {
+    let port = shardlab::launch::free_port().unwrap();
+    let c = CommConfig { rendezvous_timeout: Duration::from_millis(800), ..CommConfig::default() };
+    // Rank 1 alone: nobody hosts the store.
+    let t = Instant::now();
+    let init = |rank| TcpInit {
+        rank,
+        world_size: 2,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        local_rank: rank,
+        local_world_size: 2,
+    };
+    let e = ProcessGroup::init_tcp(&init(1), c.clone()).err().unwrap();
+    assert!(e.to_string().contains("could not reach the store"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5));
+    // Rank 0 alone: it hosts the store, but rank 1 never connects.
+    let e = ProcessGroup::init_tcp(&init(0), c).err().unwrap();
+    assert!(e.to_string().contains("[1] did not connect"), "{e}");
+}
+
+#[test]
+fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
+    for backend in [Backend::Local, Backend::Tcp] {
+        // Size: rank 1 has one element more.
+        let (res, took) =
+            run(backend, 3, TIMEOUT, |pg| pg.all_reduce(&mut f32s(1000 + (pg.rank() == 1) as i64), ReduceOp::Sum));
+        assert_all_fail_fast(&res, took, "1001");
+        // Dtype: rank 0 uses f64.
+        let (res, took) = run(backend, 3, TIMEOUT, |pg| {
+            let mut t = if pg.rank() == 0 { f32s(64).to_kind(Kind::Double) } else { f32s(64) };
+            pg.all_reduce(&mut t, ReduceOp::Sum)
+        });
+        assert_all_fail_fast(&res, took, "f64");
+        // Order: rank 2 runs all_gather where the others run all_reduce.
+        let (res, took) = run(backend, 3, TIMEOUT, |pg| {
+            if pg.rank() == 2 {
+                pg.all_gather(&mut f32s(3 * 64), &f32s(64))
+            } else {
+                pg.all_reduce(&mut f32s(64), ReduceOp::Sum)
+            }
+        });
+        assert_all_fail_fast(&res, took, "all_gather");
+        // Root: rank 1 thinks the root is 1. Its frames reach ranks that expect nothing from it in
+        // this broadcast, so the disagreement surfaces at the next collective at the latest.
+        let (res, took) = run(backend, 3, TIMEOUT, |pg| {
+            pg.broadcast(&mut f32s(10), if pg.rank() == 1 { 1 } else { 0 })?;
+            pg.all_reduce(&mut f32s(10), ReduceOp::Sum)
+        });
+        assert_all_fail_fast(&res, took, "sent data for broadcast #");
+        // Algorithm: rank 0 runs naive, the others ring.
+        let (res, took) = run(backend, 2, TIMEOUT, |pg| {
+            let algo = if pg.rank() == 0 { Algo::Naive } else { Algo::Ring };
+            pg.all_reduce_with(&mut f32s(10), ReduceOp::Sum, algo)
+        });
+        assert_all_fail_fast(&res, took, "algo");
+    }
+}
+
+#[test]
+fn bad_tensor_on_one_rank_fails_every_rank() {
+    for backend in [Backend::Local, Backend::Tcp] {
+        let (res, took) = run(backend, 2, TIMEOUT, |pg| {
+            let mut t = if pg.rank() == 0 { Tensor::ones([4], (Kind::Int, Device::Cpu)) } else { f32s(4) };
+            pg.all_reduce(&mut t, ReduceOp::Sum)
+        });
+        assert_all_fail_fast(&res, took, "not supported");
+        let (res, took) = run(backend, 2, TIMEOUT, |pg| {
+            let mut t = if pg.rank() == 1 { f32s(8).view([2, 4]).transpose(0, 1) } else { f32s(8) };
+            pg.all_reduce(&mut t, ReduceOp::Sum)
+        });
+        assert_all_fail_fast(&res, took, "contiguous");
+        let (res, took) = run(backend, 2, TIMEOUT, |pg| {
+            pg.all_reduce(&mut Tensor::ones([4], (Kind::Int64, Device::Cpu)), ReduceOp::Avg)
+        });
+        assert_all_fail_fast(&res, took, "Avg");
+        let (res, took) = run(backend, 2, TIMEOUT, |pg| pg.all_gather(&mut f32s(5), &f32s(2)));
+        assert_all_fail_fast(&res, took, "world_size");
+        let (res, took) = run(backend, 2, TIMEOUT, |pg| pg.broadcast(&mut f32s(5), 7));
+        assert_all_fail_fast(&res, took, "out of range");
+    }
+}
+
+#[test]
+fn silent_peer_times_out_and_group_stays_poisoned() {
+    for backend in [Backend::Local, Backend::Tcp] {
+        let timeout = Duration::from_millis(500);
+        let t = Instant::now();
+        let res = spawn_with(SpawnOptions::new(3, backend).launch(Launch::Threads).config(cfg(timeout)), |pg| {
+            if pg.rank() == 2 {
+                std::thread::sleep(Duration::from_millis(1500)); // misses the collective
+            }
+            let first = pg.all_reduce(&mut f32s(100), ReduceOp::Sum).map_err(|e| e.to_string());
+            let second = pg.barrier().map_err(|e| e.to_string());
+            Ok((first, second))
+        })
+        .unwrap();
+        assert!(t.elapsed() < Duration::from_secs(10));
+        for (r, (first, second)) in res.iter().enumerate() {
+            assert!(first.is_err() && second.is_err(), "{backend:?} rank {r}: {first:?} {second:?}");
+        }
+        assert!(res.iter().any(|(f, _)| f.as_ref().unwrap_err().contains("timed out")), "{backend:?}: {res:?}");
+    }
+}
+
+#[test]
+fn panicking_rank_is_reported_and_the_others_are_released() {
+    for backend in [Backend::Local, Backend::Tcp] {
+        let t = Instant::now();
+        let e = spawn_with(SpawnOptions::new(3, backend).launch(Launch::Threads).config(cfg(TIMEOUT)), |pg| {
+            pg.all_reduce(&mut f32s(10), ReduceOp::Sum)?;
+            if pg.rank() == 1 {
+                panic!("boom in rank 1");
+            }
+            pg.all_reduce(&mut f32s(10), ReduceOp::Sum)?;
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(t.elapsed() < TIMEOUT / 2, "{backend:?}: survivors waited for the timeout");
+        assert_eq!(e.failures.len(), 3, "{e}");
+        assert!(e.to_string().contains("rank 1: panicked: boom in rank 1"), "{e}");
+    }
+}
+
+fn child_args(test: &str) -> Vec<String> {
+    vec!["--exact".into(), test.into(), "--nocapture".into(), "--test-threads=1".into()]
+}
+
+#[test]
+fn processes_rank_killed_mid_collective() {
+    let t = Instant::now();
+    let opts = SpawnOptions::new(3, Backend::Tcp)
+        .config(cfg(TIMEOUT))
+        .child_args(child_args("processes_rank_killed_mid_collective"));
+    let e = spawn_with(opts, |pg| {
+        let big = f32s(4 << 20); // 16 MiB: many chunks in flight when the rank dies
+        pg.all_reduce(&mut f32s(8), ReduceOp::Sum)?;
+        if pg.rank() == 2 {
+            let _w = pg.all_reduce_async(&big, ReduceOp::Sum)?;
+            std::thread::sleep(Duration::from_millis(20));
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        for _ in 0..50 {
+            pg.all_reduce(&mut big.shallow_clone(), ReduceOp::Sum)?;
+        }
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(t.elapsed() < TIMEOUT, "took {:?}", t.elapsed());
+    let text = e.to_string();
+    assert_eq!(e.failures.len(), 3, "{text}");
+    assert!(text.contains("rank 2: process exited with signal: 9"), "{text}");
+    assert!(text.contains("disconnected") || text.contains("aborted"), "{text}");
+}
+
+#[test]
+fn processes_spawn_collects_results_in_rank_order() {
+    let opts = SpawnOptions::new(3, Backend::Tcp)
+        .config(cfg(TIMEOUT))
+        .child_args(child_args("processes_spawn_collects_results_in_rank_order"));
+    let out = spawn_with(opts, |pg| {
+        let mut t = Tensor::from_slice(&[pg.rank() as f32 + 1.0]);
+        pg.all_reduce(&mut t, ReduceOp::Sum)?;
+        Ok((pg.rank(), std::process::id(), t.double_value(&[0])))
+    })
+    .unwrap();
+    assert_eq!(out.iter().map(|o| o.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+    assert!(out.iter().all(|o| o.2 == 6.0), "{out:?}");
+    let mut pids: Vec<u32> = out.iter().map(|o| o.1).collect();
+    pids.dedup();
+    assert_eq!(pids.len(), 3, "each rank is its own process");
+    assert!(!pids.contains(&std::process::id()));
+}
+
+#[test]
+fn processes_rank_error_is_reported() {
+    let opts = SpawnOptions::new(2, Backend::Tcp)
+        .config(cfg(TIMEOUT))
+        .child_args(child_args("processes_rank_error_is_reported"));
+    let e = spawn_with(opts, |pg| {
+        if pg.rank() == 0 {
+            anyhow::bail!("rank 0 refuses");
+        }
+        pg.barrier()?;
+        Ok(())
+    })
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("rank 0: rank 0 refuses"), "{text}");
+    assert!(text.contains("rank 1:"), "{text}");
+}
+
+#[test]
+fn store_rejects_strangers_other_jobs_and_garbage() {
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "job-a").unwrap();
+    let addr = server.addr().to_string();
+    // Another job is refused.
+    let e = StoreClient::connect(&addr, "job-b", Duration::from_secs(2)).err().unwrap();
+    assert!(e.to_string().contains("job id mismatch"), "{e}");
+    // Garbage: random bytes, a valid magic with absurd lengths, a request before HELLO, a hang-up.
+    let payloads: Vec<Vec<u8>> = vec![
+        (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect(),
+        [0x52, 0x4f, 0x54, 0x53, 2, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f].to_vec(),
+        [0x52, 0x4f, 0x54, 0x53, 2, 1, 0, 1, 0, 0, 0, b'k', b'v'].to_vec(),
+        Vec::new(),
+    ];
+    for p in payloads {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = s.write_all(&p);
+        let mut buf = [0u8; 64];
+        // The server answers at most a refusal and then closes the connection.
+        let mut total = 0;
+        while let Ok(k) = s.read(&mut buf) {
+            if k == 0 {
+                break;
+            }
+            total += k;
+            assert!(total < 64, "server kept talking to a stranger");
+        }
+    }
+    // The store still works for its own job.
+    let mut c = StoreClient::connect(&addr, "job-a", Duration::from_secs(2)).unwrap();
+    c.set("k", b"v").unwrap();
+    assert_eq!(c.get("k", Duration::from_secs(1)).unwrap().as_deref(), Some(&b"v"[..]));
+    assert_eq!(c.get("missing", Duration::from_millis(50)).unwrap(), None);
+    assert_eq!(c.add("n", 2).unwrap(), 2);
+    assert_eq!(c.add("n", 3).unwrap(), 5);
+}
+
+#[test]
+fn env_init_reads_torchrun_variables() {
+    // Exercised through a child process so the test harness's own environment stays clean.
+    let port = shardlab::launch::free_port().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let child = |rank: usize| {
+        std::process::Command::new(&exe)
+            .args(["--exact", "env_init_child", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("SHARDLAB_JOB_ID", "env-test")
+            .env("SHARDLAB_TEST_CHILD", "1")
+            .output()
+            .unwrap()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| child(0));
+        let b = s.spawn(|| child(1));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    for (r, o) in [a, b].iter().enumerate() {
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success() && out.contains(&format!("env-rank {r} of 2 sum 3")),
+            "rank {r}: {out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
+
+#[test]
+#[ignore = "child process of env_init_reads_torchrun_variables"]
+fn env_init_child() {
+    if std::env::var("SHARDLAB_TEST_CHILD").is_err() {
+        return;
+    }
+    let pg = ProcessGroup::from_env(CommConfig::default().with_timeout(Duration::from_secs(10))).unwrap();
+    let mut t = Tensor::from_slice(&[pg.rank() as f32 + 1.0]);
+    pg.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    println!("env-rank {} of {} sum {}", pg.rank(), pg.world_size(), t.double_value(&[0]));
+}
