@@ -177,7 +177,8 @@ pub fn loopback_tcp_throughput(total: usize) -> std::io::Result<f64> {
     let addr = l.local_addr()?;
     let reader = std::thread::spawn(move || -> std::io::Result<usize> {
         let (mut s, _) = l.accept()?;
-        let mut buf = vec![0u8; 1 << 20];
+        socket2::SockRef::from(&s).set_recv_buffer_size(4 << 20)?;
+        let mut buf = vec![0u8; 4 << 20];
         let mut got = 0;
         loop {
             let k = s.read(&mut buf)?;
@@ -214,4 +215,30 @@ pub fn memcpy_throughput(bytes: usize, reps: usize) -> f64 {
     }
     std::hint::black_box(&dst);
     (bytes * reps) as f64 / t.elapsed().as_secs_f64().max(Duration::from_nanos(1).as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_and_print() {
+        assert_eq!(parse_size("4K").unwrap(), 4096);
+        assert_eq!(parse_size("16M").unwrap(), 16 << 20);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("1000").unwrap(), 1000);
+        assert!(parse_size("12Q").is_err());
+        assert_eq!(fmt_size(64 << 20), "64M");
+        assert_eq!(fmt_size(1000), "1000B");
+    }
+
+    #[test]
+    fn bus_factors_match_nccl_tests() {
+        assert_eq!(bus_factor(OpKind::AllReduce, 4), 1.5);
+        assert_eq!(bus_factor(OpKind::AllGather, 4), 0.75);
+        assert_eq!(bus_factor(OpKind::ReduceScatter, 2), 0.5);
+        assert_eq!(bus_factor(OpKind::Broadcast, 8), 1.0);
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
 }

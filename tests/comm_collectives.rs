@@ -83,7 +83,7 @@ fn check_all(backend: Backend) {
                             }
                         }
                     }
-                    for algo in [Algo::Naive, Algo::Tree] {
+                    for algo in [Algo::Naive, Algo::Tree, Algo::Ring] {
                         for root in 0..n {
                             let mut t = if r == root {
                                 input(root, numel, kind)

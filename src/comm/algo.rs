@@ -199,6 +199,29 @@ pub(crate) fn broadcast_tree(c: &Ctx, buf: &mut [u8], root: usize) -> CommResult
     Ok(())
 }
 
+/// Pipelined chain: root → root+1 → … → root−1; each rank forwards every chunk as it lands.
+/// Every rank sends (at most) B once, so no link or CPU carries more than B — best for large
+/// messages when links or cores are the limit; n−1 hops of latency for small ones.
+pub(crate) fn broadcast_ring(c: &Ctx, buf: &mut [u8], root: usize) -> CommResult<()> {
+    let v = (c.rank + c.n - root) % c.n;
+    let next = (v + 1 < c.n).then_some((c.rank + 1) % c.n);
+    if v == 0 {
+        return match next {
+            Some(k) => c.send(k, buf),
+            None => Ok(()),
+        };
+    }
+    let total = buf.len();
+    let mut forward = |_: usize, b: &[u8]| next.map_or(Ok(()), |k| c.send(k, b));
+    c.t.recv(
+        &c.desc,
+        Recv { peer: (c.rank + c.n - 1) % c.n, total, dst: Some(buf), on_data: &mut forward },
+        c.timeout,
+    )?;
+    c.received(total);
+    Ok(())
+}
+
 // ---------------------------------------------------------------- all_reduce
 
 pub(crate) fn all_reduce_naive(c: &Ctx, buf: &mut [u8], op: ReduceOp) -> CommResult<()> {

@@ -58,7 +58,8 @@ pub enum Backend {
 pub enum Algo {
     /// Everything through rank 0 (or the root): simple, and the root's link is the bottleneck.
     Naive = 1,
-    /// Ring: reduce-scatter and/or all-gather around the ranks, bandwidth-optimal.
+    /// Ring: reduce-scatter and/or all-gather around the ranks, bandwidth-optimal (for broadcast:
+    /// a pipelined chain).
     Ring = 2,
     /// Binomial tree (broadcast): ⌈log2 n⌉ rounds, pipelined in chunks.
     Tree = 3,
@@ -83,7 +84,7 @@ impl Algo {
     /// Algorithms implemented for `op`.
     pub fn supported(op: OpKind) -> &'static [Algo] {
         match op {
-            OpKind::Broadcast => &[Algo::Naive, Algo::Tree],
+            OpKind::Broadcast => &[Algo::Naive, Algo::Tree, Algo::Ring],
             OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Naive, Algo::Ring],
             OpKind::Barrier | OpKind::Send => &[Algo::Naive],
         }
@@ -523,7 +524,8 @@ impl ProcessGroup {
             };
             i.exec(spec, |c| match algo {
                 Algo::Naive => algo::broadcast_naive(c, tb.bytes_mut(), root),
-                _ => algo::broadcast_tree(c, tb.bytes_mut(), root),
+                Algo::Ring => algo::broadcast_ring(c, tb.bytes_mut(), root),
+                Algo::Tree => algo::broadcast_tree(c, tb.bytes_mut(), root),
             })
         })
     }
