@@ -371,8 +371,17 @@ impl ProcessGroup {
 
     /// Join a TCP group described by the environment, as torchrun sets it: RANK, WORLD_SIZE,
     /// MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500), LOCAL_RANK, LOCAL_WORLD_SIZE.
+    ///
+    /// Like torchrun, when several ranks share the machine (LOCAL_WORLD_SIZE > 1) libtorch gets one
+    /// intra-op thread per rank unless `SHARDLAB_NUM_THREADS` or `OMP_NUM_THREADS` says otherwise.
     pub fn from_env(cfg: CommConfig) -> CommResult<ProcessGroup> {
-        ProcessGroup::init_tcp(&TcpInit::from_env()?, cfg)
+        let init = TcpInit::from_env()?;
+        if let Some(n) = env_num::<i32>("SHARDLAB_NUM_THREADS") {
+            tch::set_num_threads(n);
+        } else if init.local_world_size > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
+            tch::set_num_threads(1);
+        }
+        ProcessGroup::init_tcp(&init, cfg)
     }
 
     pub fn rank(&self) -> usize {
