@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod comm;
 pub mod launch;
+pub mod plot;
 
 /// Everything a lesson, bin or notebook usually needs.
 pub mod prelude {
@@ -17,5 +18,6 @@ pub mod prelude {
         Algo, Backend, CommConfig, CommError, CommResult, CommStats, DType, ProcessGroup, ReduceOp, TcpInit, Work,
     };
     pub use crate::launch::{is_spawned_child, spawn, spawn_with, Launch, LaunchError, SpawnOptions};
+    pub use crate::plot::{BarChart, LineChart};
     pub use tch::{Device, Kind, Tensor};
 }

@@ -1,0 +1,46 @@
+//! Lesson 01 — process groups & rendezvous: your exercises.
+//! Replace each `todo!()`; check your work with `cargo grade 01`. Hints are in this lesson's README.
+#![allow(unused_variables)]
+
+use shardlab::comm::store::StoreClient;
+use std::time::Duration;
+
+/// Exercise 1 — who dials whom when `world_size` ranks build a full mesh of connections.
+///
+/// Returns `(dial, accept)`: the ranks this rank connects to, and the ranks it waits for, each in
+/// increasing order. Every pair must be connected exactly once, and no rank may wait for a
+/// connection from a rank that is itself waiting for it (that would deadlock).
+pub fn dial_plan(rank: usize, world_size: usize) -> (Vec<usize>, Vec<usize>) {
+    // TODO: return (ranks to dial, ranks to accept from). Hint: let one side of every pair listen.
+    todo!()
+}
+
+/// Exercise 2 — the rendezvous: publish `my_addr` under `addr/<rank>` in the store and return
+/// every rank's address in rank order (waiting up to `timeout` for the others to publish theirs).
+/// On timeout the error names the ranks that never published.
+pub fn exchange_addresses(
+    store: &mut StoreClient,
+    rank: usize,
+    world_size: usize,
+    my_addr: &str,
+    timeout: Duration,
+) -> Result<Vec<String>, String> {
+    // TODO: set `addr/<rank>` to `my_addr`, then get every rank's `addr/<r>` (wait at most `timeout`
+    // in total) and name the ranks that never showed up in the error.
+    todo!()
+}
+
+/// Exercise 3 — a barrier through the store (what c10d's store-based barrier does): nobody
+/// returns before all `world_size` ranks arrived at barrier `name`. The same name is never
+/// reused. On timeout the error names the ranks that did not arrive.
+pub fn store_barrier(
+    store: &mut StoreClient,
+    name: &str,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+) -> Result<(), String> {
+    // TODO: record that `rank` arrived, count arrivals with `store.add`, let the last arrival open the
+    // barrier, wait for it to open; on timeout name the ranks that never arrived.
+    todo!()
+}

@@ -1,0 +1,73 @@
+//! The course's shape: every lesson has all its parts under one slug, and the learner's stubs and
+//! the reference answers are twins (same public signatures; stubs are `todo!()` with a `// TODO:`).
+
+use std::fs;
+use std::path::Path;
+
+fn lessons() -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut v: Vec<(String, String)> = fs::read_dir(root.join("lessons"))
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            let nn = name.split_once('_')?.0.to_string();
+            (nn.len() == 2 && nn.chars().all(|c| c.is_ascii_digit())).then_some((nn, name))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// `pub fn` signatures, whitespace-normalised, up to the opening brace of the body.
+fn signatures(src: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = src;
+    while let Some(i) = rest.find("pub fn ") {
+        let tail = &rest[i..];
+        let end = tail.find('{').expect("fn without body");
+        out.push(tail[..end].split_whitespace().collect::<Vec<_>>().join(" ").replace("( ", "(").replace(", )", ")"));
+        rest = &tail[end..];
+    }
+    out
+}
+
+#[test]
+fn every_lesson_has_all_its_parts() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let all = lessons();
+    assert!(!all.is_empty(), "no lessons found");
+    for (nn, slug) in all {
+        for part in [
+            format!("lessons/{slug}/README.md"),
+            format!("lessons/{slug}/exercise.rs"),
+            format!("solutions/{slug}.rs"),
+            format!("tests/lesson{nn}.rs"),
+            format!("src/bin/lesson{nn}.rs"),
+            format!("notebooks/{slug}.ipynb"),
+        ] {
+            assert!(root.join(&part).is_file(), "lesson {nn}: missing {part}");
+        }
+    }
+}
+
+#[test]
+fn stubs_and_solutions_are_twins() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (nn, slug) in lessons() {
+        let stub = fs::read_to_string(root.join(format!("lessons/{slug}/exercise.rs"))).unwrap();
+        let sol = fs::read_to_string(root.join(format!("solutions/{slug}.rs"))).unwrap();
+        let (a, b) = (signatures(&stub), signatures(&sol));
+        assert!(!a.is_empty(), "lesson {nn}: the exercise file has no pub fn");
+        assert_eq!(a, b, "lesson {nn}: exercise and solution signatures differ");
+        let todos = stub.lines().filter(|l| l.trim() == "todo!()").count();
+        assert_eq!(todos, a.len(), "lesson {nn}: every exercise fn body is one todo!()");
+        assert!(stub.matches("// TODO:").count() >= a.len(), "lesson {nn}: each stub says what to do (// TODO:)");
+        assert!(!sol.contains("todo!()"), "lesson {nn}: the solution still has a todo!()");
+        let grader = fs::read_to_string(root.join(format!("tests/lesson{nn}.rs"))).unwrap();
+        assert!(
+            grader.contains(&format!("../solutions/{slug}.rs"))
+                && grader.contains(&format!("../lessons/{slug}/exercise.rs")),
+            "lesson {nn}: the grader must include the solution by default and the exercise with --features grade"
+        );
+    }
+}
