@@ -170,6 +170,59 @@ pub fn median(v: &mut [f64]) -> f64 {
     }
 }
 
+/// One-way time of a `bytes`-byte message between ranks 0 and 1 (half the median ping-pong round
+/// trip, other ranks idle); the same value is returned on every rank.
+pub fn pingpong(pg: &ProcessGroup, bytes: u64, iters: usize) -> CommResult<f64> {
+    let mut t = Tensor::zeros([(bytes / 4) as i64], (Kind::Float, Device::Cpu));
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        pg.barrier()?;
+        let s = Instant::now();
+        match pg.rank() {
+            0 => {
+                pg.send(&t, 1)?;
+                pg.recv(&mut t, 1)?;
+            }
+            1 => {
+                pg.recv(&mut t, 0)?;
+                pg.send(&t, 0)?;
+            }
+            _ => {}
+        }
+        times.push(s.elapsed().as_secs_f64() / 2.0);
+    }
+    let mut m = Tensor::from_slice(&[if pg.rank() == 0 { median(&mut times) } else { 0.0 }]);
+    pg.all_reduce(&mut m, ReduceOp::Max)?;
+    Ok(m.double_value(&[0]))
+}
+
+/// The α-β (latency-bandwidth) model of an operation: predicted seconds for `bytes` on `n` ranks,
+/// with α seconds per message and β seconds per byte on each link.
+///
+/// * all_reduce naive (reduce to rank 0, send back): 2(n−1)·(α + B·β) — rank 0's link carries it all
+/// * all_reduce ring: 2(n−1)·α + 2·(n−1)/n·B·β
+/// * all_gather / reduce_scatter ring: (n−1)·α + (n−1)/n·B·β; naive (through rank 0, B the full
+///   gathered size / full input): 2(n−1)·α + (n−1)·(1 + 1/n)·B·β
+/// * broadcast naive: (n−1)·(α + B·β); tree: ⌈log2 n⌉·(α + B·β); chain: (n−1)·α + B·β
+pub fn model_time(op: OpKind, algo: Algo, n: usize, bytes: f64, alpha: f64, beta: f64) -> f64 {
+    let (nf, b) = (n as f64, bytes);
+    if n <= 1 {
+        return 0.0;
+    }
+    match (op, algo) {
+        (OpKind::AllReduce, Algo::Naive) => 2.0 * (nf - 1.0) * (alpha + b * beta),
+        (OpKind::AllReduce, _) => 2.0 * (nf - 1.0) * alpha + 2.0 * (nf - 1.0) / nf * b * beta,
+        (OpKind::AllGather | OpKind::ReduceScatter, Algo::Naive) => {
+            2.0 * (nf - 1.0) * alpha + (nf - 1.0) * (1.0 + 1.0 / nf) * b * beta
+        }
+        (OpKind::AllGather | OpKind::ReduceScatter, _) => (nf - 1.0) * alpha + (nf - 1.0) / nf * b * beta,
+        (OpKind::Broadcast, Algo::Naive) => (nf - 1.0) * (alpha + b * beta),
+        (OpKind::Broadcast, Algo::Tree) => nf.log2().ceil() * (alpha + b * beta),
+        (OpKind::Broadcast, _) => (nf - 1.0) * alpha + b * beta,
+        _ => f64::NAN,
+    }
+}
+
 /// Throughput of one loopback TCP stream (bytes/s) with the socket settings the tcp backend uses:
 /// the ceiling for what one link of the tcp backend can carry on this machine.
 pub fn loopback_tcp_throughput(total: usize) -> std::io::Result<f64> {
@@ -240,5 +293,22 @@ mod tests {
         assert_eq!(bus_factor(OpKind::Broadcast, 8), 1.0);
         assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+
+    #[test]
+    fn ring_beats_naive_on_bandwidth_not_latency() {
+        let (a, b) = (50e-6, 1.0 / 2e9);
+        // 4 ranks, 64 MiB: ring moves 1.5·B per rank, naive 6·B through rank 0.
+        let big = (64u64 << 20) as f64;
+        let ring = model_time(OpKind::AllReduce, Algo::Ring, 4, big, a, b);
+        let naive = model_time(OpKind::AllReduce, Algo::Naive, 4, big, a, b);
+        assert!((naive / ring - 4.0).abs() < 0.05, "{naive} vs {ring}");
+        // 4 bytes: both are 2(n−1) messages.
+        let (r, nv) = (
+            model_time(OpKind::AllReduce, Algo::Ring, 4, 4.0, a, b),
+            model_time(OpKind::AllReduce, Algo::Naive, 4, 4.0, a, b),
+        );
+        assert!((r / nv - 1.0).abs() < 0.01);
+        assert_eq!(model_time(OpKind::Broadcast, Algo::Tree, 8, big, a, b), 3.0 * (a + big * b));
     }
 }

@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod comm;
 pub mod launch;
+pub mod params;
 pub mod plot;
 
 /// Everything a lesson, bin or notebook usually needs.

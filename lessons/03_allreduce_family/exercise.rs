@@ -1,0 +1,44 @@
+//! Lesson 03 — the all-reduce family: your exercises.
+//! Replace each `todo!()`; check your work with `cargo grade 03`. Hints are in this lesson's README.
+#![allow(unused_variables, unused_imports)]
+
+use shardlab::prelude::*;
+use std::ops::Range;
+
+/// Exercise 1 — split `numel` elements into `n` contiguous segments, as evenly as possible
+/// (sizes differ by at most one), in order, covering everything.
+pub fn ring_segments(numel: usize, n: usize) -> Vec<Range<usize>> {
+    // TODO: segment i is [numel·i/n, numel·(i+1)/n).
+    todo!()
+}
+
+/// Exercise 2 — the ring schedule. At `step` (0..n−1) of the reduce-scatter phase
+/// (`gather == false`) or the all-gather phase (`gather == true`), which segment does `rank`
+/// send to rank+1 and which does it receive from rank−1? Returns `(send, recv)`.
+///
+/// After the reduce-scatter phase rank r must hold the complete sum of segment (r+1) mod n, and
+/// after the all-gather phase every rank holds every complete segment.
+pub fn ring_schedule(rank: usize, n: usize, step: usize, gather: bool) -> (usize, usize) {
+    // TODO: reduce-scatter step s: send (r − s), receive (r − s − 1); all-gather step s: send
+    // (r + 1 − s), receive (r − s) — all mod n (add multiples of n before subtracting).
+    todo!()
+}
+
+/// Exercise 3 — ring all-reduce (sum) of `t` with nothing but `pg.send` and `pg.recv`: a
+/// reduce-scatter phase (add what you receive into your segment) then an all-gather phase (copy
+/// it). Sends block until the peer receives, so order them so that a ring of blocking sends
+/// cannot deadlock.
+pub fn ring_all_reduce(pg: &ProcessGroup, t: &mut Tensor) -> CommResult<()> {
+    // TODO: for each phase and each of the n−1 steps: send your `send` segment to rank+1 and
+    // receive the `recv` segment from rank−1 (even ranks send first, odd ranks receive first),
+    // then add it into (reduce-scatter) or copy it over (all-gather) your segment of t.
+    todo!()
+}
+
+/// Exercise 4 — the α-β cost model of all-reduce on `n` ranks for `bytes` bytes, α seconds per
+/// message, β seconds per byte: naive (everything to rank 0 and back) and ring. Returns
+/// `(naive_seconds, ring_seconds)`.
+pub fn all_reduce_cost(n: usize, bytes: f64, alpha: f64, beta: f64) -> (f64, f64) {
+    // TODO: naive: 2(n−1)·(α + B·β); ring: 2(n−1)·α + 2·(n−1)/n·B·β; zero for one rank.
+    todo!()
+}
