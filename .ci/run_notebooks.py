@@ -4,7 +4,9 @@ A compile error, an error output, a panic or a crashed kernel in any cell fails 
 real message is printed. Notebooks run one at a time (they share evcxr's build folder) and their
 outputs are not written back, so the committed notebooks stay small.
 
-Usage (after `bash .ci/setup-notebooks`): .venv/bin/python .ci/run_notebooks.py [NOTEBOOK ...]
+Usage (after `bash .ci/setup-notebooks`):
+    .venv/bin/python .ci/run_notebooks.py [--save DIR] [NOTEBOOK ...]
+--save DIR writes the executed notebooks (with outputs) to DIR for a look, never over the originals.
 """
 import glob
 import os
@@ -37,8 +39,12 @@ def problems(nb):
     return out
 
 
-def main(paths):
-    paths = paths or sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+def main(args):
+    save = None
+    if args[:1] == ["--save"]:
+        save, args = args[1], args[2:]
+        os.makedirs(save, exist_ok=True)
+    paths = args or sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
     if not paths:
         print("notebooks: none found")
         return 1
@@ -48,7 +54,7 @@ def main(paths):
         t = time.time()
         client = NotebookClient(
             nb,
-            kernel_name="rust",
+            kernel_name="shardlab-rust",
             timeout=1800,
             allow_errors=True,
             resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}},
@@ -59,6 +65,8 @@ def main(paths):
         except Exception as e:  # kernel died, timeout, ...
             found = [f"kernel failure: {type(e).__name__}: {e}"]
         name = os.path.relpath(path, ROOT)
+        if save:
+            nbformat.write(nb, os.path.join(save, os.path.basename(path)))
         if found:
             failed += 1
             print(f"FAILED {name} ({time.time() - t:.0f} s)")

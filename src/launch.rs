@@ -276,7 +276,8 @@ fn run_processes<R: DeserializeOwned>(call: usize, opts: &SpawnOptions) -> Resul
     let n = opts.world_size;
     let exe = std::env::current_exe().map_err(|e| LaunchError::one(format!("cannot find own executable: {e}")))?;
     let port = free_port().map_err(LaunchError::one)?;
-    let job = format!("spawn-{}-{}-{call}", std::process::id(), Instant::now().elapsed().as_nanos() ^ port as u128);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let job = format!("spawn-{}-{nanos}-{port}-{call}", std::process::id());
     let dir = std::env::temp_dir().join(format!("shardlab-{job}"));
     std::fs::create_dir_all(&dir).map_err(|e| LaunchError::one(format!("temp dir: {e}")))?;
     let cfg = CommConfig { job_id: job.clone(), ..opts.config.clone() };

@@ -46,19 +46,7 @@ impl LineChart {
         let sx = |x: f64| L + (fx(x) - x0) / (x1 - x0).max(1e-12) * (W - L - R);
         let sy = |y: f64| H - B - (y - y0) / (y1 - y0).max(1e-12) * (H - T - B);
         let mut s = header(&self.title, &self.x_label, &self.y_label);
-        // y ticks
-        for i in 0..=4 {
-            let y = y0 + (y1 - y0) * i as f64 / 4.0;
-            let _ = write!(
-                s,
-                r##"<line x1="{L}" x2="{0}" y1="{1:.1}" y2="{1:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end" font-size="11">{4}</text>"##,
-                W - R,
-                sy(y),
-                L - 6.0,
-                sy(y) + 4.0,
-                num(y)
-            );
-        }
+        y_grid(&mut s, y0, y1, sy);
         // x ticks at the data's x values (first series)
         if let Some((_, first)) = self.series.first() {
             for &(x, _) in first {
@@ -117,18 +105,7 @@ impl BarChart {
         let y1 = if y1 > 0.0 { y1 } else { 1.0 };
         let sy = |y: f64| H - B - y / y1 * (H - T - B);
         let mut s = header(&self.title, "", &self.y_label);
-        for i in 0..=4 {
-            let y = y1 * i as f64 / 4.0;
-            let _ = write!(
-                s,
-                r##"<line x1="{L}" x2="{0}" y1="{1:.1}" y2="{1:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end" font-size="11">{4}</text>"##,
-                W - R,
-                sy(y),
-                L - 6.0,
-                sy(y) + 4.0,
-                num(y)
-            );
-        }
+        y_grid(&mut s, 0.0, y1, sy);
         let gw = (W - L - R) / self.groups.len().max(1) as f64;
         let bw = gw * 0.8 / self.series.len().max(1) as f64;
         for (g, label) in self.groups.iter().enumerate() {
@@ -160,6 +137,22 @@ impl BarChart {
     }
     pub fn show(&self) {
         show_svg(&self.svg());
+    }
+}
+
+/// Five horizontal grid lines with their values, from y0 to y1.
+fn y_grid(s: &mut String, y0: f64, y1: f64, sy: impl Fn(f64) -> f64) {
+    for i in 0..=4 {
+        let y = y0 + (y1 - y0) * i as f64 / 4.0;
+        let _ = write!(
+            s,
+            r##"<line x1="{L}" x2="{0}" y1="{1:.1}" y2="{1:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end" font-size="11">{4}</text>"##,
+            W - R,
+            sy(y),
+            L - 6.0,
+            sy(y) + 4.0,
+            num(y)
+        );
     }
 }
 
