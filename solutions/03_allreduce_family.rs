@@ -24,10 +24,10 @@ pub fn ring_schedule(rank: usize, n: usize, step: usize, gather: bool) -> (usize
     }
 }
 
-/// Exercise 3 — ring all-reduce (sum) of `t` with nothing but `pg.send` and `pg.recv`: a
-/// reduce-scatter phase (add what you receive into your segment) then an all-gather phase (copy
-/// it). Sends block until the peer receives, so order them so that a ring of blocking sends
-/// cannot deadlock.
+/// Exercise 3 — ring all-reduce (sum) of the 1-D tensor `t` with nothing but `pg.send` and
+/// `pg.recv`: a reduce-scatter phase (add what you receive into your segment) then an all-gather
+/// phase (copy it). A send returns once its bytes fit in the kernel's socket buffers, so a large
+/// send waits for its receiver: order them so that a ring of sends cannot deadlock.
 pub fn ring_all_reduce(pg: &ProcessGroup, t: &mut Tensor) -> CommResult<()> {
     let (r, n) = (pg.rank(), pg.world_size());
     let segs = ring_segments(t.numel(), n);

@@ -230,7 +230,7 @@ pub fn loopback_tcp_throughput(total: usize) -> std::io::Result<f64> {
     let addr = l.local_addr()?;
     let reader = std::thread::spawn(move || -> std::io::Result<usize> {
         let (mut s, _) = l.accept()?;
-        socket2::SockRef::from(&s).set_recv_buffer_size(4 << 20)?;
+        crate::comm::tcp::tune(&s);
         let mut buf = vec![0u8; 4 << 20];
         let mut got = 0;
         loop {
@@ -242,9 +242,7 @@ pub fn loopback_tcp_throughput(total: usize) -> std::io::Result<f64> {
         }
     });
     let mut s = std::net::TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let sock = socket2::SockRef::from(&s);
-    sock.set_send_buffer_size(4 << 20)?;
+    crate::comm::tcp::tune(&s);
     let buf = vec![1u8; 1 << 20];
     let t = Instant::now();
     let mut sent = 0;

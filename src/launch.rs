@@ -187,7 +187,7 @@ where
                     .name(format!("rank-{r}"))
                     .spawn_scoped(s, move || {
                         let pg = pg.map_err(|e| e.to_string())?;
-                        f(&pg).map_err(|e| format!("{e:#}"))
+                        run_rank(&pg, f)
                     })
                     .expect("spawn rank thread")
             })
@@ -195,6 +195,21 @@ where
         hs.into_iter().map(|h| h.join().unwrap_or_else(|p| Err(format!("panicked: {}", panic_text(&*p))))).collect()
     });
     collect(results)
+}
+
+/// Run one rank's work, then the end-of-job check; a rank that fails tells the others why.
+fn run_rank<R, F>(pg: &ProcessGroup, f: &F) -> Result<R, String>
+where
+    F: Fn(&ProcessGroup) -> anyhow::Result<R>,
+{
+    match f(pg) {
+        Ok(v) => pg.finish().map(|_| v).map_err(|e| e.to_string()),
+        Err(e) => {
+            let msg = format!("{e:#}");
+            pg.abort(&msg);
+            Err(msg)
+        }
+    }
 }
 
 fn collect<R>(results: Vec<Result<R, String>>) -> Result<Vec<R>, LaunchError> {
@@ -259,11 +274,11 @@ where
     let outcome = match outcome {
         Err(e) => ChildOutcome::Err(e.to_string()),
         Ok(pg) => {
-            let r = f(&pg);
+            let r = run_rank(&pg, &f);
             drop(pg);
             match r {
                 Ok(v) => ChildOutcome::Ok(v),
-                Err(e) => ChildOutcome::Err(format!("{e:#}")),
+                Err(e) => ChildOutcome::Err(e),
             }
         }
     };

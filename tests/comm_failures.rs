@@ -13,17 +13,18 @@ fn cfg(timeout: Duration) -> CommConfig {
     CommConfig::default().with_timeout(timeout)
 }
 
-/// Run `f` on `n` thread ranks of `backend`; every rank's own Result (the launcher's Ok/Err
-/// wrapping removed), plus how long it took.
+/// Run `f` on `n` thread ranks of `backend` (with spawn's end-of-job check); every rank's
+/// outcome, plus how long it took.
 fn run<F>(backend: Backend, n: usize, timeout: Duration, f: F) -> (Vec<Result<(), String>>, Duration)
 where
     F: Fn(&ProcessGroup) -> CommResult<()> + Send + Sync,
 {
     let t = Instant::now();
-    let out = spawn_with(SpawnOptions::new(n, backend).launch(Launch::Threads).config(cfg(timeout)), |pg| {
-        Ok(f(pg).map_err(|e| e.to_string()))
-    })
-    .expect("ranks return their errors as values");
+    let opts = SpawnOptions::new(n, backend).launch(Launch::Threads).config(cfg(timeout));
+    let out = match spawn_with(opts, |pg| Ok(f(pg)?)) {
+        Ok(_) => vec![Ok(()); n],
+        Err(e) => (0..n).map(|r| e.failures.iter().find(|f| f.0 == r).map_or(Ok(()), |f| Err(f.1.clone()))).collect(),
+    };
     (out, t.elapsed())
 }
 
@@ -117,12 +118,19 @@ fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
         });
         assert_all_fail_fast(&res, took, "all_gather");
         // Root: rank 1 thinks the root is 1. Its frames reach ranks that expect nothing from it in
-        // this broadcast, so the disagreement surfaces at the next collective at the latest.
+        // this broadcast, so the disagreement surfaces at the next collective that reads them…
         let (res, took) = run(backend, 3, TIMEOUT, |pg| {
             pg.broadcast(&mut f32s(10), if pg.rank() == 1 { 1 } else { 0 })?;
             pg.all_reduce(&mut f32s(10), ReduceOp::Sum)
         });
+        assert_all_fail_fast(&res, took, "broadcast #");
+        // …or, if nothing reads them, at the end-of-job check.
+        let (res, took) =
+            run(backend, 3, TIMEOUT, |pg| pg.broadcast(&mut f32s(10), if pg.rank() == 1 { 1 } else { 0 }));
         assert_all_fail_fast(&res, took, "sent data for broadcast #");
+        // A message nobody receives (rank 1 → rank 2) is caught by the end-of-job check.
+        let (res, took) = run(backend, 3, TIMEOUT, |pg| if pg.rank() == 1 { pg.send(&f32s(10), 2) } else { Ok(()) });
+        assert_all_fail_fast(&res, took, "unread data from rank 1");
         // Algorithm: rank 0 runs naive, the others ring.
         let (res, took) = run(backend, 2, TIMEOUT, |pg| {
             let algo = if pg.rank() == 0 { Algo::Naive } else { Algo::Ring };
@@ -151,6 +159,12 @@ fn bad_tensor_on_one_rank_fails_every_rank() {
         assert_all_fail_fast(&res, took, "Avg");
         let (res, took) = run(backend, 2, TIMEOUT, |pg| pg.all_gather(&mut f32s(5), &f32s(2)));
         assert_all_fail_fast(&res, took, "world_size");
+        let (res, took) = run(backend, 2, TIMEOUT, |pg| {
+            let mut out = f32s(8);
+            let input = out.narrow(0, 4 * pg.rank() as i64, 4); // a view of out: not supported
+            pg.all_gather(&mut out, &input)
+        });
+        assert_all_fail_fast(&res, took, "share memory");
         let (res, took) = run(backend, 2, TIMEOUT, |pg| pg.broadcast(&mut f32s(5), 7));
         assert_all_fail_fast(&res, took, "out of range");
     }
@@ -161,20 +175,22 @@ fn silent_peer_times_out_and_group_stays_poisoned() {
     for backend in [Backend::Local, Backend::Tcp] {
         let timeout = Duration::from_millis(500);
         let t = Instant::now();
-        let res = spawn_with(SpawnOptions::new(3, backend).launch(Launch::Threads).config(cfg(timeout)), |pg| {
+        let e = spawn_with(SpawnOptions::new(3, backend).launch(Launch::Threads).config(cfg(timeout)), |pg| {
             if pg.rank() == 2 {
                 std::thread::sleep(Duration::from_millis(1500)); // misses the collective
             }
-            let first = pg.all_reduce(&mut f32s(100), ReduceOp::Sum).map_err(|e| e.to_string());
-            let second = pg.barrier().map_err(|e| e.to_string());
-            Ok((first, second))
+            let first = pg.all_reduce(&mut f32s(100), ReduceOp::Sum);
+            let second = pg.barrier();
+            anyhow::ensure!(first.is_err() && second.is_err(), "rank {}: {first:?} then {second:?}", pg.rank());
+            Err::<(), _>(anyhow::anyhow!("first: {} | then: {}", first.unwrap_err(), second.unwrap_err()))
         })
-        .unwrap();
+        .unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(10));
-        for (r, (first, second)) in res.iter().enumerate() {
-            assert!(first.is_err() && second.is_err(), "{backend:?} rank {r}: {first:?} {second:?}");
+        assert_eq!(e.failures.len(), 3, "{backend:?}: {e}");
+        for (r, msg) in &e.failures {
+            assert!(msg.starts_with("first: ") && msg.contains(" | then: "), "{backend:?} rank {r}: {msg}");
         }
-        assert!(res.iter().any(|(f, _)| f.as_ref().unwrap_err().contains("timed out")), "{backend:?}: {res:?}");
+        assert!(e.to_string().contains("timed out"), "{backend:?}: {e}");
     }
 }
 

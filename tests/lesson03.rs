@@ -84,15 +84,18 @@ fn ex2_ring_schedule_reduces_then_gathers_everything() {
 
 #[test]
 fn ex3_ring_all_reduce_sums_like_a_serial_reference_and_moves_ring_volume() {
-    let cfg = CommConfig { chunk_bytes: 64 << 10, ..CommConfig::default() }.with_timeout(Duration::from_secs(20));
+    // Small kernel socket buffers: a ring in which every rank sends before it receives then
+    // deadlocks over TCP (and fails after the timeout) instead of hiding in the buffers.
+    std::env::set_var("SHARDLAB_SOCK_BUF", "65536");
+    let cfg = CommConfig { chunk_bytes: 64 << 10, ..CommConfig::default() }.with_timeout(Duration::from_secs(10));
     for backend in [Backend::Local, Backend::Tcp] {
         for n in 1..=4 {
             let opts = SpawnOptions::new(n, backend).launch(Launch::Threads).config(cfg.clone());
             let res = spawn_with(opts, |pg| {
                 let mut bad = Vec::new();
                 let n = pg.world_size();
-                // 300_001 f32 = 1.2 MB: more than a socket buffer, so a send-send deadlock would show.
-                for numel in [1i64, 5, 1003, 300_001] {
+                // 1_000_003 f32: segments of 1–2 MB, far more than the 64 KiB socket buffers.
+                for numel in [1i64, 5, 1003, 1_000_003] {
                     let mine = |r: usize| Tensor::arange(numel, (Kind::Float, Device::Cpu)).remainder(13) + r as f64;
                     let mut t = mine(pg.rank());
                     let before = pg.stats().bytes_sent;

@@ -8,7 +8,7 @@ use std::ops::Range;
 /// Exercise 1 — split `numel` elements into `n` contiguous segments, as evenly as possible
 /// (sizes differ by at most one), in order, covering everything.
 pub fn ring_segments(numel: usize, n: usize) -> Vec<Range<usize>> {
-    // TODO: segment i is [numel·i/n, numel·(i+1)/n).
+    // TODO: return n ranges of element indices, in order, sizes differing by at most one.
     todo!()
 }
 
@@ -19,15 +19,15 @@ pub fn ring_segments(numel: usize, n: usize) -> Vec<Range<usize>> {
 /// After the reduce-scatter phase rank r must hold the complete sum of segment (r+1) mod n, and
 /// after the all-gather phase every rank holds every complete segment.
 pub fn ring_schedule(rank: usize, n: usize, step: usize, gather: bool) -> (usize, usize) {
-    // TODO: reduce-scatter step s: send (r − s), receive (r − s − 1); all-gather step s: send
-    // (r + 1 − s), receive (r − s) — all mod n (add multiples of n before subtracting).
+    // TODO: return (segment sent to rank+1, segment received from rank-1) at this step of this
+    // phase. What you receive is what your left neighbour sends.
     todo!()
 }
 
-/// Exercise 3 — ring all-reduce (sum) of `t` with nothing but `pg.send` and `pg.recv`: a
-/// reduce-scatter phase (add what you receive into your segment) then an all-gather phase (copy
-/// it). Sends block until the peer receives, so order them so that a ring of blocking sends
-/// cannot deadlock.
+/// Exercise 3 — ring all-reduce (sum) of the 1-D tensor `t` with nothing but `pg.send` and
+/// `pg.recv`: a reduce-scatter phase (add what you receive into your segment) then an all-gather
+/// phase (copy it). A send returns once its bytes fit in the kernel's socket buffers, so a large
+/// send waits for its receiver: order them so that a ring of sends cannot deadlock.
 pub fn ring_all_reduce(pg: &ProcessGroup, t: &mut Tensor) -> CommResult<()> {
     // TODO: for each phase and each of the n−1 steps: send your `send` segment to rank+1 and
     // receive the `recv` segment from rank−1 (even ranks send first, odd ranks receive first),
@@ -39,6 +39,6 @@ pub fn ring_all_reduce(pg: &ProcessGroup, t: &mut Tensor) -> CommResult<()> {
 /// message, β seconds per byte: naive (everything to rank 0 and back) and ring. Returns
 /// `(naive_seconds, ring_seconds)`.
 pub fn all_reduce_cost(n: usize, bytes: f64, alpha: f64, beta: f64) -> (f64, f64) {
-    // TODO: naive: 2(n−1)·(α + B·β); ring: 2(n−1)·α + 2·(n−1)/n·B·β; zero for one rank.
+    // TODO: return (naive seconds, ring seconds) from the cost-model table in the README.
     todo!()
 }

@@ -7,7 +7,7 @@
 
 use super::error::{CommError, CommResult};
 use super::frame::{Buf, BufPool, OpDesc};
-use super::transport::{check_frame, Recv, Transport};
+use super::transport::{check_frame, stray_error, Recv, Transport};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -167,6 +167,28 @@ impl Transport for LocalTransport {
                 inbox.poison(told.clone());
             }
         }
+    }
+    fn stray(&self, next: &OpDesc) -> Option<CommError> {
+        let inbox = &self.inboxes[self.rank];
+        for (p, rx) in inbox.rx.iter().enumerate() {
+            let mut keep = Vec::new();
+            let mut found = None;
+            while let Ok(m) = rx.try_recv() {
+                match m {
+                    Msg::Frame(d, _) if d != *next => found = Some(stray_error(self.rank, p, Some(&d), next)),
+                    Msg::Wake => {}
+                    m => keep.push(m),
+                }
+            }
+            // The peer sends nothing else until the closing barrier completes: order is kept.
+            keep.into_iter().for_each(|m| {
+                let _ = inbox.tx[p].send(m);
+            });
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
     }
     fn leave(&self) {
         for (p, inbox) in self.inboxes.iter().enumerate() {

@@ -8,7 +8,9 @@
 //! Every operation is checked across ranks (kind, order, dtype, size, root, algorithm travel in each
 //! frame's header) and every failure — bad arguments, a dead or silent peer, ranks that disagree —
 //! becomes a [`CommError`] on every rank instead of a hang. After a failure the group is poisoned:
-//! later calls return the same error.
+//! later calls return the same error. Data that no operation asked for is caught when the next
+//! operation reads it, or by [`ProcessGroup::finish`] (which [`crate::launch::spawn`] runs after
+//! every rank's work).
 //!
 //! ```no_run
 //! use shardlab::prelude::*;
@@ -114,14 +116,33 @@ pub struct CommConfig {
 }
 
 fn env_num<T: std::str::FromStr>(name: &str) -> Option<T> {
-    std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+    let v = std::env::var(name).ok()?;
+    match v.trim().parse() {
+        Ok(x) => Some(x),
+        Err(_) => {
+            eprintln!("shardlab: ignoring {name}={v:?} (not a number)");
+            None
+        }
+    }
+}
+
+/// Seconds from the environment: finite, positive and at most a day, else the default.
+fn env_secs(name: &str, default: f64) -> Duration {
+    match env_num::<f64>(name) {
+        Some(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Duration::from_secs_f64(s),
+        Some(s) => {
+            eprintln!("shardlab: ignoring {name}={s} (must be in (0, 86400] seconds)");
+            Duration::from_secs_f64(default)
+        }
+        None => Duration::from_secs_f64(default),
+    }
 }
 
 impl Default for CommConfig {
     fn default() -> Self {
         CommConfig {
-            timeout: Duration::from_secs_f64(env_num("SHARDLAB_TIMEOUT_S").unwrap_or(300.0)),
-            rendezvous_timeout: Duration::from_secs_f64(env_num("SHARDLAB_RDZV_TIMEOUT_S").unwrap_or(60.0)),
+            timeout: env_secs("SHARDLAB_TIMEOUT_S", 300.0),
+            rendezvous_timeout: env_secs("SHARDLAB_RDZV_TIMEOUT_S", 60.0),
             chunk_bytes: env_num("SHARDLAB_CHUNK_BYTES").unwrap_or(1 << 20),
             job_id: std::env::var("SHARDLAB_JOB_ID")
                 .or_else(|_| std::env::var("TORCHELASTIC_RUN_ID"))
@@ -150,8 +171,13 @@ impl CommConfig {
                 self.chunk_bytes
             )));
         }
-        if self.timeout.is_zero() {
-            return Err(CommError::InvalidArgument("timeout must be positive".into()));
+        let day = Duration::from_secs(86_400);
+        if self.timeout.is_zero()
+            || self.timeout > day
+            || self.rendezvous_timeout.is_zero()
+            || self.rendezvous_timeout > day
+        {
+            return Err(CommError::InvalidArgument("timeouts must be positive and at most a day".into()));
         }
         Ok(())
     }
@@ -424,7 +450,13 @@ impl ProcessGroup {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.inner.pending.fetch_add(1, Ordering::SeqCst);
         let job: Job = Box::new(move |inner: &Inner| {
-            let r = f(inner);
+            // A panic inside an operation must not kill the communication thread silently:
+            // it becomes this operation's error, and the peers are told.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(inner))).unwrap_or_else(|_| {
+                let e = CommError::Io(format!("rank {}: an asynchronous operation panicked", inner.rank));
+                inner.t.abort(&e);
+                Err(e)
+            });
             inner.pending.fetch_sub(1, Ordering::SeqCst);
             let _ = tx.send(r);
         });
@@ -460,6 +492,40 @@ impl ProcessGroup {
             };
             i.exec(spec, algo::barrier)
         })
+    }
+
+    /// End-of-job check, called by [`crate::launch::spawn`] after the rank's work: a barrier, a
+    /// check that no data arrived that nobody asked for (ranks that ran different collectives —
+    /// a wrong broadcast root on one rank, say — leave such data behind), and a second barrier
+    /// so that a rank that finds some makes every rank fail.
+    pub fn finish(&self) -> CommResult<()> {
+        self.barrier()?;
+        self.run(|i| {
+            // The closing barrier's frames, which fast peers may already have sent, are expected.
+            let seq = i.state.lock().unwrap().seq;
+            let next = OpDesc {
+                op: OpKind::Barrier,
+                seq,
+                dtype: DType::I64,
+                numel: 0,
+                root: 0,
+                reduce: None,
+                algo: Algo::Naive as u8,
+            };
+            match i.t.stray(&next) {
+                Some(e) => {
+                    i.t.abort(&e);
+                    Err(e)
+                }
+                None => Ok(()),
+            }
+        })?;
+        self.barrier()
+    }
+
+    /// Give up on the group: every rank's next (or current) operation fails with `reason`.
+    pub fn abort(&self, reason: &str) {
+        self.inner.t.abort(&CommError::Aborted { by: self.rank(), reason: reason.to_string() });
     }
 
     /// Send `t` to rank `dst`, which must call [`recv`](Self::recv) with a tensor of the same
@@ -610,6 +676,12 @@ impl ProcessGroup {
                 b.numel
             ))));
         }
+        let (bp, sp) = (b.bytes().as_ptr() as usize, s.bytes().as_ptr() as usize);
+        if b.len > 0 && s.len > 0 && bp < sp + s.len && sp < bp + b.len {
+            return Err(self.fail(CommError::InvalidArgument(format!(
+                "{what}: input and output share memory; pass separate tensors (in-place is not supported yet)"
+            ))));
+        }
         Ok((b, s))
     }
 
@@ -697,16 +769,19 @@ impl ProcessGroup {
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
-        // Let queued async work finish, then say goodbye (or tell the others we crashed).
+        // Crashing: tell the others first (queued work then fails fast on the poison).
+        // Otherwise let queued async work finish, then say goodbye.
+        let panicking = std::thread::panicking();
+        if panicking {
+            self.inner
+                .t
+                .abort(&CommError::Aborted { by: self.rank(), reason: format!("rank {} panicked", self.rank()) });
+        }
         if let Some((jobs, h)) = self.worker.get_mut().unwrap().take() {
             drop(jobs);
             let _ = h.join();
         }
-        if std::thread::panicking() {
-            self.inner
-                .t
-                .abort(&CommError::Aborted { by: self.rank(), reason: format!("rank {} panicked", self.rank()) });
-        } else if self.inner.t.poisoned().is_none() {
+        if !panicking && self.inner.t.poisoned().is_none() {
             self.inner.t.leave();
         }
     }

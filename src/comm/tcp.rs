@@ -11,11 +11,12 @@
 use super::error::{CommError, CommResult};
 use super::frame::{self, FrameKind, OpDesc, HEADER_LEN, NO_DESC};
 use super::store::StoreClient;
-use super::transport::{check_frame, Recv, Transport};
+use super::transport::{check_frame, stray_error, Recv, Transport};
 use super::CommConfig;
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -48,7 +49,8 @@ fn handshake_bytes(job: u64, from: usize, world: usize) -> [u8; 24] {
     b
 }
 
-fn tune(s: &TcpStream) {
+/// The socket settings of every data connection (also used by the benchmark's ceiling).
+pub(crate) fn tune(s: &TcpStream) {
     let _ = s.set_nodelay(true);
     let sock = socket2::SockRef::from(s);
     let buf = std::env::var("SHARDLAB_SOCK_BUF").ok().and_then(|v| v.parse().ok()).unwrap_or(SOCK_BUF);
@@ -153,7 +155,7 @@ impl TcpTransport {
                 Some(s) => {
                     tune(&s);
                     s.set_nonblocking(true).map_err(|e| CommError::io("set_nonblocking", e))?;
-                    Some(Peer { s, wlock: Mutex::new(()) })
+                    Some(Peer { s, wlock: Mutex::new(()), owed: AtomicUsize::new(0) })
                 }
             });
         }
@@ -240,6 +242,7 @@ impl TcpTransport {
                     let h = k.min(HEADER_LEN - st.hdr_pos);
                     st.hdr_pos += h;
                     st.pos += k - h;
+                    peer.owed.store(HEADER_LEN - st.hdr_pos + st.end - st.pos, Ordering::Relaxed);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -384,8 +387,10 @@ impl TcpTransport {
         for p in self.peers.iter().flatten() {
             // Never wait behind a writer that is stuck on a dead peer.
             if let Ok(_w) = p.wlock.try_lock() {
-                let h = frame::encode_header(kind, &NO_DESC, payload.len());
-                let mut out = h.to_vec();
+                // Finish a frame an operation left half-written (zeros: the group is over anyway),
+                // so that the control frame starts on a frame boundary.
+                let mut out = vec![0u8; p.owed.swap(0, Ordering::Relaxed).min(frame::MAX_FRAME + HEADER_LEN)];
+                out.extend_from_slice(&frame::encode_header(kind, &NO_DESC, payload.len()));
                 out.extend_from_slice(payload);
                 let deadline = Instant::now() + Duration::from_secs(1);
                 let mut pos = 0;
@@ -446,6 +451,9 @@ const STAGING: usize = 256 << 10;
 struct Peer {
     s: TcpStream,
     wlock: Mutex<()>,
+    /// Bytes of a data frame still owed to the stream (an operation stopped half-way through a
+    /// frame). A control frame must not start before them, or the peer would read it as data.
+    owed: AtomicUsize,
 }
 
 struct SendState<'a> {
@@ -538,6 +546,31 @@ impl Transport for TcpTransport {
     }
     fn leave(&self) {
         self.write_control(FrameKind::Leave, &[]);
+    }
+    fn stray(&self, next: &OpDesc) -> Option<CommError> {
+        for (p, peer) in self.peers.iter().enumerate() {
+            let Some(peer) = peer else { continue };
+            let mut h = [0u8; HEADER_LEN];
+            let k = unsafe {
+                libc::recv(
+                    peer.s.as_raw_fd(),
+                    h.as_mut_ptr() as *mut libc::c_void,
+                    HEADER_LEN,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if k <= 0 {
+                continue; // nothing waiting (or the peer already closed: not our concern here)
+            }
+            let theirs = (k as usize == HEADER_LEN).then(|| frame::decode_header(&h).ok()).flatten();
+            match theirs {
+                Some((FrameKind::Leave | FrameKind::Abort, _, _)) => continue,
+                Some((FrameKind::Data, d, _)) if d == *next => continue,
+                Some((FrameKind::Data, d, _)) => return Some(stray_error(self.rank, p, Some(&d), next)),
+                None => return Some(stray_error(self.rank, p, None, next)),
+            }
+        }
+        None
     }
 }
 

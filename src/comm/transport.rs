@@ -44,6 +44,17 @@ pub(crate) trait Transport: Send + Sync {
     fn abort(&self, err: &CommError);
     /// Clean shutdown: tell every peer that nothing more will come from us.
     fn leave(&self);
+    /// Data that arrived but that no operation asked for (checked at the end of a job, when every
+    /// rank has finished sending): the ranks ran different sequences of operations. Frames of
+    /// `next` (the closing barrier, which fast peers may already have entered) are not stray.
+    fn stray(&self, next: &OpDesc) -> Option<CommError>;
+}
+
+pub(crate) fn stray_error(me: usize, peer: usize, theirs: Option<&OpDesc>, at: &OpDesc) -> CommError {
+    let what = theirs.map(|d| format!(" for {d}")).unwrap_or_default();
+    CommError::Mismatch(format!(
+        "rank {me} still has unread data from rank {peer}{what} when the job ended (at {at}): the ranks did not run the same collectives (a different root, count or order?)"
+    ))
 }
 
 /// Check an incoming frame against what this rank runs; `room` = bytes still expected.
