@@ -98,35 +98,21 @@ impl Ctx<'_> {
                 let r = Recv { peer: prev, total, dst: Some(dst), on_data: &mut |_, _| Ok(()) };
                 self.t.exchange(&self.desc, next, send, self.chunk, r, self.timeout)
             }
-            Apply::Reduce(op) => {
-                let mut on = |off: usize, b: &[u8]| {
-                    dtype::reduce_into(dt, op, &mut dst[off..off + b.len()], b);
-                    Ok(())
+            Apply::Reduce(op) | Apply::ReduceFrom(op, _) => {
+                let base = match apply {
+                    Apply::ReduceFrom(_, base) => Some(base),
+                    _ => None,
                 };
-                self.t.exchange(
-                    &self.desc,
-                    next,
-                    send,
-                    self.chunk,
-                    Recv { peer: prev, total, dst: None, on_data: &mut on },
-                    self.timeout,
-                )
-            }
-            Apply::ReduceFrom(op, base) => {
                 let mut on = |off: usize, b: &[u8]| {
                     let d = &mut dst[off..off + b.len()];
-                    d.copy_from_slice(&base[off..off + b.len()]);
+                    if let Some(base) = base {
+                        d.copy_from_slice(&base[off..off + b.len()]);
+                    }
                     dtype::reduce_into(dt, op, d, b);
                     Ok(())
                 };
-                self.t.exchange(
-                    &self.desc,
-                    next,
-                    send,
-                    self.chunk,
-                    Recv { peer: prev, total, dst: None, on_data: &mut on },
-                    self.timeout,
-                )
+                let r = Recv { peer: prev, total, dst: None, on_data: &mut on };
+                self.t.exchange(&self.desc, next, send, self.chunk, r, self.timeout)
             }
         };
         res?;
