@@ -13,6 +13,7 @@
 
 use crate::comm::{Backend, CommConfig, ProcessGroup, TcpInit};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use std::os::unix::process::ExitStatusExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -335,11 +336,20 @@ fn run_processes<R: DeserializeOwned>(call: usize, opts: &SpawnOptions) -> Resul
     while status.iter().any(|s| s.is_none()) {
         for (r, (c, _)) in children.iter_mut().enumerate() {
             if status[r].is_none() {
-                if let Ok(Some(s)) = c.try_wait() {
-                    if !s.success() && first_failure.is_none() {
-                        first_failure = Some(Instant::now());
+                match c.try_wait() {
+                    Ok(Some(s)) => {
+                        if !s.success() && first_failure.is_none() {
+                            first_failure = Some(Instant::now());
+                        }
+                        status[r] = Some(s);
                     }
-                    status[r] = Some(s);
+                    Ok(None) => {}
+                    // The child cannot be waited for (already reaped elsewhere?): count it as failed
+                    // rather than waiting for ever.
+                    Err(_) => {
+                        status[r] = Some(std::process::ExitStatus::from_raw(1 << 8));
+                        first_failure.get_or_insert_with(Instant::now);
+                    }
                 }
             }
         }

@@ -175,6 +175,10 @@ fn stats_count_ring_traffic() {
         let s1 = pg.stats();
         pg.all_reduce_with(&mut t, ReduceOp::Sum, Algo::Naive)?;
         let s2 = pg.stats();
+        anyhow::ensure!(
+            s2.collectives - s0.collectives == 2 && s2.p2p == s0.p2p,
+            "two collectives, no p2p: {s0:?} -> {s2:?}"
+        );
         Ok((s1.bytes_sent - s0.bytes_sent, s2.bytes_sent - s1.bytes_sent))
     })
     .unwrap();

@@ -75,6 +75,9 @@ fn ex2_tree_broadcast_delivers_the_roots_tensor_along_the_tree() {
                         let b = (numel * 4) as u64;
                         let kids = tree_links(v, n).1.len() as u64;
                         let (sent, recvd) = (after.bytes_sent - before.bytes_sent, after.bytes_received - before.bytes_received);
+                        if after.collectives != before.collectives {
+                            bad.push(format!("rank {}: tree_broadcast called a collective (pg.broadcast, all_reduce, …); use only send and recv", pg.rank()));
+                        }
                         if sent != kids * b || recvd != if v == 0 { 0 } else { b } {
                             bad.push(format!("rank {} root {root}: sent {sent} B and received {recvd} B; a tree rank with {kids} children sends {} and receives {}", pg.rank(), kids * b, if v == 0 { 0 } else { b }));
                         }

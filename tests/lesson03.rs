@@ -98,9 +98,16 @@ fn ex3_ring_all_reduce_sums_like_a_serial_reference_and_moves_ring_volume() {
                 for numel in [1i64, 5, 1003, 1_000_003] {
                     let mine = |r: usize| Tensor::arange(numel, (Kind::Float, Device::Cpu)).remainder(13) + r as f64;
                     let mut t = mine(pg.rank());
-                    let before = pg.stats().bytes_sent;
+                    let before = pg.stats();
                     ring_all_reduce(pg, &mut t)?;
-                    let sent = pg.stats().bytes_sent - before;
+                    let after = pg.stats();
+                    let sent = after.bytes_sent - before.bytes_sent;
+                    if after.collectives != before.collectives {
+                        bad.push(format!(
+                            "rank {}: ring_all_reduce called a collective (pg.all_reduce, …); use only send and recv",
+                            pg.rank()
+                        ));
+                    }
                     // Serial reference: the sum of every rank's input.
                     let want = (0..n).map(mine).fold(Tensor::zeros([numel], (Kind::Float, Device::Cpu)), |a, b| a + b);
                     if !t.allclose(&want, 1e-6, 1e-6, false) {

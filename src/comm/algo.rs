@@ -16,11 +16,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Bytes this rank put on and took off the wire.
+/// Bytes this rank put on and took off the wire, and operations it completed.
 #[derive(Default, Debug)]
 pub(crate) struct Counters {
     pub sent: AtomicU64,
     pub received: AtomicU64,
+    pub collectives: AtomicU64,
+    pub p2p: AtomicU64,
 }
 
 /// Everything an algorithm needs for one operation.

@@ -188,6 +188,10 @@ impl CommConfig {
 pub struct CommStats {
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    /// Collective calls completed (barrier, broadcast, all_reduce, all_gather, reduce_scatter).
+    pub collectives: u64,
+    /// Point-to-point calls completed (each send and each recv).
+    pub p2p: u64,
 }
 
 struct State {
@@ -306,8 +310,10 @@ impl Inner {
             };
             body(&ctx)
         })();
-        if let Err(e) = &res {
-            self.t.abort(e);
+        match &res {
+            Err(e) => self.t.abort(e),
+            Ok(()) if spec.op == OpKind::Send => _ = self.counters.p2p.fetch_add(1, Ordering::Relaxed),
+            Ok(()) => _ = self.counters.collectives.fetch_add(1, Ordering::Relaxed),
         }
         res
     }
@@ -429,11 +435,13 @@ impl ProcessGroup {
     pub fn config(&self) -> &CommConfig {
         &self.inner.cfg
     }
-    /// Payload bytes sent and received by this rank so far.
+    /// Payload bytes sent and received by this rank so far, and operations completed.
     pub fn stats(&self) -> CommStats {
         CommStats {
             bytes_sent: self.inner.counters.sent.load(Ordering::Relaxed),
             bytes_received: self.inner.counters.received.load(Ordering::Relaxed),
+            collectives: self.inner.counters.collectives.load(Ordering::Relaxed),
+            p2p: self.inner.counters.p2p.load(Ordering::Relaxed),
         }
     }
 
