@@ -414,35 +414,34 @@ fn decode_abort(e: &CommError) -> Option<CommError> {
     Some(CommError::Aborted { by: by.parse().ok()?, reason: rest.to_string() })
 }
 
-fn read_exact_until(s: &TcpStream, buf: &mut [u8], deadline: Instant) -> Result<(), ()> {
+/// Read into `buf` from a non-blocking socket until it is full, the stream ends or fails, or
+/// `deadline` passes; the number of bytes read.
+fn read_until(s: &TcpStream, buf: &mut [u8], deadline: Instant) -> usize {
     let mut got = 0;
-    while got < buf.len() {
-        if Instant::now() >= deadline {
-            return Err(());
-        }
-        match (&*s).read(&mut buf[got..]) {
-            Ok(0) => return Err(()),
-            Ok(k) => got += k,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_micros(200)),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(_) => return Err(()),
-        }
-    }
-    Ok(())
-}
-
-fn read_blocking(s: &TcpStream, len: usize) -> String {
-    let mut buf = vec![0u8; len];
-    let mut got = 0;
-    let deadline = Instant::now() + Duration::from_secs(1);
-    while got < len && Instant::now() < deadline {
+    while got < buf.len() && Instant::now() < deadline {
         match (&*s).read(&mut buf[got..]) {
             Ok(0) => break,
             Ok(k) => got += k,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_micros(200)),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(_) => break,
         }
     }
+    got
+}
+
+fn read_exact_until(s: &TcpStream, buf: &mut [u8], deadline: Instant) -> Result<(), ()> {
+    if read_until(s, buf, deadline) == buf.len() {
+        Ok(())
+    } else {
+        Err(())
+    }
+}
+
+/// An abort frame's reason (whatever of it arrives within a second).
+fn read_blocking(s: &TcpStream, len: usize) -> String {
+    let mut buf = vec![0u8; len];
+    let got = read_until(s, &mut buf, Instant::now() + Duration::from_secs(1));
     String::from_utf8_lossy(&buf[..got]).into_owned()
 }
 
