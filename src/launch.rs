@@ -48,6 +48,8 @@ pub struct SpawnOptions {
     /// Arguments for the child processes (default: this process's own). Tests pass
     /// `["--exact", "<test name>", "--nocapture"]` so a child re-runs only the calling test.
     pub child_args: Option<Vec<String>>,
+    /// Extra environment variables for child processes.
+    pub env: Vec<(String, String)>,
 }
 
 impl SpawnOptions {
@@ -61,6 +63,7 @@ impl SpawnOptions {
             config,
             threads_per_rank: None,
             child_args: None,
+            env: Vec::new(),
         }
     }
     pub fn launch(mut self, l: Launch) -> Self {
@@ -310,6 +313,7 @@ fn run_processes<R: DeserializeOwned>(call: usize, opts: &SpawnOptions) -> Resul
             .env(ENV_CHILD, call.to_string())
             .env(ENV_RESULT, &res)
             .env(ENV_CONFIG, &cfg_json)
+            .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", r.to_string())

@@ -9,16 +9,28 @@
 
 pub mod bench;
 pub mod comm;
+pub mod data;
+pub mod ddp;
 pub mod launch;
+pub mod model;
+pub mod optim;
 pub mod params;
 pub mod plot;
+pub mod rng;
+pub mod trainer;
 
 /// Everything a lesson, bin or notebook usually needs.
 pub mod prelude {
     pub use crate::comm::{
         Algo, Backend, CommConfig, CommError, CommResult, CommStats, DType, ProcessGroup, ReduceOp, TcpInit, Work,
+        WorkTiming,
     };
+    pub use crate::data::{synthetic_corpus, DistributedSampler, Tokens};
+    pub use crate::ddp::{DataParallel, DdpBucketed, DdpNaive, DdpStats, Variant};
     pub use crate::launch::{is_spawned_child, spawn, spawn_with, Launch, LaunchError, SpawnOptions};
+    pub use crate::model::{staged_backward, zero_grads, Batch, Gpt, GptConfig, Mlp, MlpConfig, Model};
+    pub use crate::optim::AdamWConfig;
     pub use crate::plot::{BarChart, LineChart};
+    pub use crate::trainer::{ScalingConfig, Strategy, TrainContext, Trainer};
     pub use tch::{Device, Kind, Tensor};
 }

@@ -41,7 +41,7 @@ use frame::{BufPool, OpDesc};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tch::Tensor;
 use transport::Transport;
 
@@ -230,13 +230,28 @@ pub struct ProcessGroup {
 /// is done. Until then the tensors given to the call must not be read or written.
 #[must_use = "wait on the Work, or the tensors may be used while the operation still runs"]
 pub struct Work {
-    rx: crossbeam_channel::Receiver<CommResult<()>>,
+    rx: crossbeam_channel::Receiver<(CommResult<()>, Instant, Instant)>,
+}
+
+/// When an asynchronous operation actually ran on the communication thread.
+#[derive(Clone, Copy, Debug)]
+pub struct WorkTiming {
+    pub started: Instant,
+    pub finished: Instant,
 }
 
 impl Work {
     /// Block until the operation finished; its error, if any.
     pub fn wait(self) -> CommResult<()> {
-        self.rx.recv().unwrap_or_else(|_| Err(CommError::Io("communication thread stopped".into())))
+        self.wait_timed().map(|_| ())
+    }
+    /// [`wait`](Self::wait), also saying when the operation started and finished on the
+    /// communication thread (to measure how much communication overlapped compute).
+    pub fn wait_timed(self) -> CommResult<WorkTiming> {
+        match self.rx.recv() {
+            Ok((r, started, finished)) => r.map(|_| WorkTiming { started, finished }),
+            Err(_) => Err(CommError::Io("communication thread stopped".into())),
+        }
     }
     /// True once the operation finished (successfully or not).
     pub fn is_completed(&self) -> bool {
@@ -458,6 +473,7 @@ impl ProcessGroup {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.inner.pending.fetch_add(1, Ordering::SeqCst);
         let job: Job = Box::new(move |inner: &Inner| {
+            let started = Instant::now();
             // A panic inside an operation must not kill the communication thread silently:
             // it becomes this operation's error, and the peers are told.
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(inner))).unwrap_or_else(|_| {
@@ -466,7 +482,7 @@ impl ProcessGroup {
                 Err(e)
             });
             inner.pending.fetch_sub(1, Ordering::SeqCst);
-            let _ = tx.send(r);
+            let _ = tx.send((r, started, Instant::now()));
         });
         let mut w = self.worker.lock().unwrap();
         let (jobs, _) = w.get_or_insert_with(|| {

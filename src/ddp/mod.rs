@@ -1,0 +1,177 @@
+//! Data parallelism (DDP): every rank holds the whole model, trains on its own slice of the
+//! global batch, and averages gradients with an all-reduce before the optimizer step — so all
+//! ranks take the same step, the one a single process would take on the whole batch.
+//!
+//! Two variants side by side (`--variant` in the bins):
+//! * [`DdpNaive`] (lesson 04): full backward, then one blocking all-reduce per parameter.
+//! * [`DdpBucketed`] (lesson 05): gradients packed into size-capped buckets in reverse
+//!   registration order; each bucket's all-reduce starts, asynchronously, as soon as the staged
+//!   backward has finished every gradient in it, so communication overlaps the rest of backward.
+//!
+//! Both support gradient accumulation: inside [`DataParallel::no_sync`] backward only accumulates
+//! locally; the next synchronised backward all-reduces the accumulated sum (PyTorch's `no_sync()`).
+
+mod bucketed;
+mod naive;
+
+pub use bucketed::{assign_buckets, DdpBucketed};
+pub use naive::{average_gradients, DdpNaive};
+
+use crate::comm::{CommResult, ProcessGroup};
+use crate::model::{Batch, Model};
+use serde::{Deserialize, Serialize};
+
+/// Which DDP implementation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Variant {
+    /// One blocking all-reduce per parameter after the whole backward.
+    Naive,
+    /// Size-capped buckets, all-reduced asynchronously during a staged backward.
+    Bucketed,
+}
+
+/// Default bucket cap: PyTorch DDP's `bucket_cap_mb=25`.
+pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
+
+/// Timings and volumes of the synchronised backward passes so far (this rank).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DdpStats {
+    /// Synchronised backward passes.
+    pub syncs: u64,
+    /// Seconds spent in forward + backward compute (including the time the compute thread
+    /// spent launching communication).
+    pub compute_s: f64,
+    /// Seconds the communication itself ran (summed over all-reduces, on whichever thread ran them).
+    pub comm_s: f64,
+    /// Seconds the training thread waited for communication after its backward was done (the
+    /// part of `comm_s` that was not hidden behind compute).
+    pub exposed_s: f64,
+    /// Gradient bytes all-reduced.
+    pub bytes: u64,
+}
+
+impl DdpStats {
+    /// Fraction of the communication time hidden behind backward compute.
+    pub fn hidden_fraction(&self) -> f64 {
+        if self.comm_s <= 0.0 {
+            0.0
+        } else {
+            (1.0 - self.exposed_s / self.comm_s).clamp(0.0, 1.0)
+        }
+    }
+}
+
+/// A model wrapped for data-parallel training.
+pub trait DataParallel {
+    /// The wrapped model.
+    fn model(&self) -> &dyn Model;
+    /// The group gradients are averaged over.
+    fn group(&self) -> &ProcessGroup;
+    /// Forward and backward on this rank's `batch` with the loss scaled by `scale`; unless inside
+    /// [`no_sync`](Self::no_sync), gradients are then averaged over the group. Returns the
+    /// unscaled local loss.
+    fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64>;
+    /// Turn gradient synchronisation off (`false`) or back on.
+    fn set_require_sync(&mut self, on: bool);
+    /// Timings and volumes so far.
+    fn stats(&self) -> DdpStats;
+
+    /// Run `f` without gradient synchronisation (PyTorch's `with ddp.no_sync():`).
+    fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R
+    where
+        Self: Sized,
+    {
+        self.set_require_sync(false);
+        let r = f(self);
+        self.set_require_sync(true);
+        r
+    }
+}
+
+/// Build the DDP wrapper `variant` around `model`: rank 0's parameters are broadcast to every
+/// rank first, as PyTorch DDP does at construction.
+pub fn wrap<'a>(
+    pg: &'a ProcessGroup,
+    model: Box<dyn Model + 'a>,
+    variant: Variant,
+    bucket_cap_bytes: usize,
+) -> CommResult<Box<dyn DataParallel + 'a>> {
+    Ok(match variant {
+        Variant::Naive => Box::new(DdpNaive::new(pg, model)?),
+        Variant::Bucketed => Box::new(DdpBucketed::new(pg, model, bucket_cap_bytes)?),
+    })
+}
+
+/// Row ranges of the `accum` micro-batches a batch of `rows` rows is cut into (sizes differ by at
+/// most one; `accum` must be in 1..=rows).
+pub fn micro_batches(rows: i64, accum: i64) -> Vec<(i64, i64)> {
+    assert!(accum >= 1 && accum <= rows.max(1), "accumulation steps must be in 1..={rows}, got {accum}");
+    (0..accum).map(|i| (rows * i / accum, rows * (i + 1) / accum)).collect()
+}
+
+/// One optimizer step of data-parallel training on this rank's `batch`, cut into `accum`
+/// micro-batches: backward under `no_sync` for all but the last, each loss scaled by its share of
+/// the rows (so the accumulated gradient is that of the batch mean), then `opt.step()` and zeroed
+/// gradients. Returns this rank's mean loss over the batch.
+pub fn train_step(
+    dp: &mut dyn DataParallel,
+    opt: &mut tch::nn::Optimizer,
+    batch: &Batch,
+    accum: i64,
+) -> CommResult<f64> {
+    let rows = batch.len();
+    let mut loss = 0.0;
+    let parts = micro_batches(rows, accum);
+    for (i, &(lo, hi)) in parts.iter().enumerate() {
+        let share = (hi - lo) as f64 / rows as f64;
+        dp.set_require_sync(i + 1 == parts.len());
+        let r = dp.backward(&batch.rows(lo, hi), share);
+        dp.set_require_sync(true);
+        loss += r? * share;
+    }
+    opt.step();
+    crate::model::zero_grads(&dp.model().parameters());
+    Ok(loss)
+}
+
+/// No data parallelism: one process, plain `loss.backward()` (the reference every strategy must match).
+pub struct Single<'a> {
+    pg: &'a ProcessGroup,
+    model: Box<dyn Model + 'a>,
+    stats: DdpStats,
+}
+
+impl<'a> Single<'a> {
+    /// Wrap `model`; the group must have one rank.
+    pub fn new(pg: &'a ProcessGroup, model: Box<dyn Model + 'a>) -> CommResult<Self> {
+        if pg.world_size() != 1 {
+            return Err(crate::comm::CommError::InvalidArgument(format!(
+                "the single-process strategy runs on one rank, this group has {}",
+                pg.world_size()
+            )));
+        }
+        crate::model::zero_grads(&model.parameters());
+        Ok(Single { pg, model, stats: DdpStats::default() })
+    }
+}
+
+impl DataParallel for Single<'_> {
+    fn model(&self) -> &dyn Model {
+        &*self.model
+    }
+    fn group(&self) -> &ProcessGroup {
+        self.pg
+    }
+    fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
+        let t0 = std::time::Instant::now();
+        let loss = self.model.loss(batch);
+        let v = loss.double_value(&[]);
+        (loss * scale).backward();
+        self.stats.compute_s += t0.elapsed().as_secs_f64();
+        Ok(v)
+    }
+    fn set_require_sync(&mut self, _on: bool) {}
+    fn stats(&self) -> DdpStats {
+        self.stats
+    }
+}

@@ -1,0 +1,137 @@
+//! Models the course trains: a GPT-2-style decoder with nanoGPT's parameter names ([`Gpt`]) and a
+//! small MLP for the first data-parallel lessons ([`Mlp`]).
+//!
+//! Both expose their forward pass as a chain of *stages* (GPT: embeddings, one stage per block,
+//! head + loss). libtorch's autograd has no per-parameter hooks reachable from tch, so the
+//! parallel wrappers get "this gradient is final now" by structure instead: [`staged_backward`]
+//! cuts the graph at stage boundaries and runs backward one stage at a time, calling back after
+//! each — the moment DDP may start all-reducing that stage's gradients (lesson 05) and FSDP may
+//! free and re-shard its parameters.
+
+mod gpt;
+mod mlp;
+
+pub use gpt::{Gpt, GptConfig};
+pub use mlp::{Mlp, MlpConfig};
+
+use tch::Tensor;
+
+/// One (micro-)batch: inputs and targets. GPT: `x`, `y` are (B, T) i64 token ids, `y` is `x`
+/// shifted by one. MLP: `x` is (B, in) f32, `y` is (B, out) f32.
+#[derive(Debug)]
+pub struct Batch {
+    pub x: Tensor,
+    pub y: Tensor,
+}
+
+impl Batch {
+    /// Rows `lo..hi` of the batch (views, no copy).
+    pub fn rows(&self, lo: i64, hi: i64) -> Batch {
+        Batch { x: self.x.narrow(0, lo, hi - lo), y: self.y.narrow(0, lo, hi - lo) }
+    }
+    pub fn len(&self) -> i64 {
+        self.x.size()[0]
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What the parallel wrappers need from a model.
+pub trait Model: Send {
+    /// Parameters with their names, in registration order (the order of PyTorch's
+    /// `named_parameters()`); tied parameters appear once.
+    fn named_parameters(&self) -> Vec<(String, Tensor)>;
+    /// Number of forward stages.
+    fn num_stages(&self) -> usize;
+    /// Forward of stage `s`: `x` is the previous stage's output (ignored by stage 0, which reads
+    /// `batch.x`); the last stage returns the scalar mean loss.
+    fn stage_forward(&self, s: usize, x: &Tensor, batch: &Batch) -> Tensor;
+    /// For each parameter (same order as `named_parameters`), the *first* stage that uses it:
+    /// in a staged backward its gradient is final once that stage's backward has run.
+    fn param_stages(&self) -> Vec<usize>;
+    /// The VarStore holding the parameters (group 0: weight-decayed, group 1: not), for
+    /// libtorch's optimizers.
+    fn var_store(&self) -> &tch::nn::VarStore;
+
+    /// The state dict to save: the named parameters (plus tied aliases PyTorch also writes).
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        self.named_parameters()
+    }
+    /// The parameters alone.
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+    }
+    /// Total number of parameter elements.
+    fn num_params(&self) -> i64 {
+        self.parameters().iter().map(|t| t.numel() as i64).sum()
+    }
+    /// Forward through every stage: the mean loss (with autograd graph).
+    fn loss(&self, batch: &Batch) -> Tensor {
+        let mut x = Tensor::new();
+        for s in 0..self.num_stages() {
+            x = self.stage_forward(s, &x, batch);
+        }
+        x
+    }
+}
+
+/// Forward, then backward one stage at a time from the last to the first, scaling the loss by
+/// `scale` (1/accumulation steps). After stage `s`'s backward, every parameter whose first use is
+/// stage `s` has its final gradient for this batch and `on_stage_done(s)` is called.
+///
+/// How: the output of each stage is detached into a fresh leaf that requires grad and fed to the
+/// next stage, so each stage has its own graph. Backward of stage `s` is `sum(out_s · g)` where
+/// `g` is the gradient that stage `s+1`'s backward left on its input leaf — by the chain rule the
+/// same parameter gradients as one monolithic `loss.backward()`. Returns the (unscaled) loss value.
+pub fn staged_backward(model: &dyn Model, batch: &Batch, scale: f64, mut on_stage_done: impl FnMut(usize)) -> f64 {
+    let n = model.num_stages();
+    let mut inputs: Vec<Tensor> = Vec::with_capacity(n);
+    let mut outputs: Vec<Tensor> = Vec::with_capacity(n);
+    for s in 0..n {
+        let xin = if s == 0 { Tensor::new() } else { outputs[s - 1].detach().set_requires_grad(true) };
+        let y = model.stage_forward(s, &xin, batch);
+        inputs.push(xin);
+        outputs.push(y);
+    }
+    let loss = outputs.pop().expect("a model has at least one stage");
+    let value = loss.double_value(&[]);
+    (&loss * scale).backward();
+    drop(loss);
+    on_stage_done(n - 1);
+    for s in (0..n - 1).rev() {
+        let out = outputs.pop().expect("one output per stage");
+        let g = inputs.pop().expect("one input per stage").grad();
+        (out * g).sum(tch::Kind::Float).backward();
+        on_stage_done(s);
+    }
+    value
+}
+
+/// Write `model`'s state dict as one safetensors file (f32, PyTorch names).
+pub fn save_safetensors(model: &dyn Model, path: impl AsRef<std::path::Path>) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let path = path.as_ref();
+    let sd: Vec<(String, Tensor)> = model.state_dict().into_iter().map(|(n, t)| (n, t.detach().contiguous())).collect();
+    Tensor::write_safetensors(&sd, path).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Set every parameter's gradient to zero, allocating it if absent (like PyTorch's
+/// `zero_grad(set_to_none=False)`): the parallel wrappers write reduced gradients into these
+/// tensors in place, so they must exist.
+pub fn zero_grads(params: &[Tensor]) {
+    let missing: Vec<&Tensor> = params.iter().filter(|p| !p.grad().defined()).collect();
+    if !missing.is_empty() {
+        // tch cannot assign `.grad` directly; a backward through `0·p` allocates it.
+        let z = missing.iter().map(|p| (*p * 0.0).sum(tch::Kind::Float)).reduce(|a, b| a + b).expect("non-empty");
+        z.backward();
+    }
+    for p in params {
+        let _ = p.grad().detach_().zero_();
+    }
+}
+
+/// The gradient tensors of `params` (call [`zero_grads`] first so that all exist).
+pub fn grads(params: &[Tensor]) -> Vec<Tensor> {
+    params.iter().map(|p| p.grad()).collect()
+}

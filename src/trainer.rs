@@ -1,0 +1,284 @@
+//! The Trainer: run a per-worker training loop on every rank, Ray Train style.
+//!
+//! ```no_run
+//! use shardlab::prelude::*;
+//! use shardlab::trainer::{ScalingConfig, Strategy, Trainer};
+//! let scaling = ScalingConfig { num_workers: 2, strategy: Strategy::Ddp, ..ScalingConfig::default() };
+//! let fit = Trainer::new(scaling).progress(100).fit(|ctx| {
+//!     let model = Gpt::new(GptConfig::tiny(), 0)?;
+//!     let mut opt = AdamWConfig::default().build(&model)?;
+//!     let mut dp = ctx.prepare_model(Box::new(model))?;
+//!     // … for step in 0..100 { train_step(&mut *dp, &mut opt, &batch, 1)?; ctx.report(json!({"step": step, "loss": l}))?; }
+//!     Ok(())
+//! });
+//! ```
+//!
+//! * [`ScalingConfig`] — how many workers, which backend and strategy (Ray's `ScalingConfig`).
+//! * [`Trainer::fit`] — starts the workers (threads or processes, see [`crate::launch`]), runs the
+//!   loop on each, returns every worker's result and the metrics rank 0 reported.
+//! * [`TrainContext::prepare_model`] — wraps the model for the strategy (Ray's `prepare_model`).
+//! * [`TrainContext::report`] — streams a metrics object to the driver (Ray's `train.report`):
+//!   each rank appends JSON lines to its own file in a job folder; the driver follows rank 0's,
+//!   drives an indicatif progress bar and, on request, echoes the lines to stdout.
+
+use crate::comm::{Backend, CommConfig, ProcessGroup};
+use crate::ddp::{self, DataParallel, Variant};
+use crate::launch::{is_spawned_child, spawn_with, Launch, SpawnOptions};
+use crate::model::Model;
+use serde::{Deserialize, Serialize};
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::time::Duration;
+
+const ENV_REPORT_DIR: &str = "SHARDLAB_REPORT_DIR";
+
+/// How the model is spread over the workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Strategy {
+    /// One worker, no communication.
+    Single,
+    /// Data parallel: full replicas, averaged gradients.
+    Ddp,
+}
+
+/// How many workers and how they talk (Ray Train's `ScalingConfig`, plus the parallel strategy).
+#[derive(Clone, Debug)]
+pub struct ScalingConfig {
+    pub num_workers: usize,
+    /// GPUs need the NCCL backend of lesson 11; `true` is refused until then.
+    pub use_gpu: bool,
+    pub backend: Backend,
+    /// Threads or processes (default: threads for `Local`, processes for `Tcp`).
+    pub launch: Option<Launch>,
+    pub strategy: Strategy,
+    /// DDP implementation.
+    pub variant: Variant,
+    pub bucket_cap_bytes: usize,
+    /// libtorch intra-op threads per worker (default 1 when several workers share the machine).
+    pub threads_per_worker: Option<i32>,
+    pub comm: CommConfig,
+    /// Arguments for re-executed worker processes (tests pass `--exact NAME`); default: ours.
+    pub child_args: Option<Vec<String>>,
+}
+
+impl Default for ScalingConfig {
+    fn default() -> Self {
+        ScalingConfig {
+            num_workers: 1,
+            use_gpu: false,
+            backend: Backend::Local,
+            launch: None,
+            strategy: Strategy::Ddp,
+            variant: Variant::Bucketed,
+            bucket_cap_bytes: ddp::DEFAULT_BUCKET_CAP_BYTES,
+            threads_per_worker: None,
+            comm: CommConfig::default(),
+            child_args: None,
+        }
+    }
+}
+
+/// What a worker's loop sees.
+pub struct TrainContext<'a> {
+    pg: &'a ProcessGroup,
+    scaling: &'a ScalingConfig,
+    report: Option<std::fs::File>,
+}
+
+impl<'a> TrainContext<'a> {
+    pub fn rank(&self) -> usize {
+        self.pg.rank()
+    }
+    pub fn world_size(&self) -> usize {
+        self.pg.world_size()
+    }
+    /// The worker's process group.
+    pub fn group(&self) -> &'a ProcessGroup {
+        self.pg
+    }
+    pub fn scaling(&self) -> &ScalingConfig {
+        self.scaling
+    }
+    /// Wrap `model` for the configured strategy (DDP: rank 0's weights are broadcast to all).
+    pub fn prepare_model(&self, model: Box<dyn Model + 'a>) -> anyhow::Result<Box<dyn DataParallel + 'a>> {
+        Ok(match self.scaling.strategy {
+            Strategy::Single => Box::new(ddp::Single::new(self.pg, model)?),
+            Strategy::Ddp => ddp::wrap(self.pg, model, self.scaling.variant, self.scaling.bucket_cap_bytes)?,
+        })
+    }
+    /// Send a metrics object (anything serialisable to a JSON object) to the driver.
+    pub fn report(&mut self, metrics: impl Serialize) -> anyhow::Result<()> {
+        if let Some(f) = self.report.as_mut() {
+            let line = serde_json::to_string(&metrics)?;
+            writeln!(f, "{line}")?;
+            f.flush()?;
+        }
+        Ok(())
+    }
+}
+
+/// What [`Trainer::fit`] returns.
+#[derive(Debug)]
+pub struct FitResult<R> {
+    /// Each worker's return value, in rank order.
+    pub results: Vec<R>,
+    /// Every metrics object rank 0 reported, in order.
+    pub reports: Vec<serde_json::Value>,
+}
+
+/// Runs a training loop on every worker.
+pub struct Trainer {
+    scaling: ScalingConfig,
+    total_steps: Option<u64>,
+    json: bool,
+}
+
+impl Trainer {
+    pub fn new(scaling: ScalingConfig) -> Self {
+        Trainer { scaling, total_steps: None, json: false }
+    }
+    /// Show a progress bar over `steps` reports (each report with a `"step"` field advances it).
+    pub fn progress(mut self, steps: u64) -> Self {
+        self.total_steps = Some(steps);
+        self
+    }
+    /// Echo rank 0's reports to stdout as JSON lines (and no progress bar).
+    pub fn json_lines(mut self, on: bool) -> Self {
+        self.json = on;
+        self
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        let s = &self.scaling;
+        if s.use_gpu {
+            anyhow::bail!("use_gpu: GPU workers need the NCCL backend (lesson 11), which this build does not have yet");
+        }
+        if s.num_workers == 0 {
+            anyhow::bail!("num_workers must be at least 1");
+        }
+        if s.strategy == Strategy::Single && s.num_workers != 1 {
+            anyhow::bail!("the single strategy runs one worker, not {}", s.num_workers);
+        }
+        Ok(())
+    }
+
+    /// Start the workers, run `f` on each, wait for all. A worker's error fails the fit (every
+    /// rank's failure is listed).
+    pub fn fit<R, F>(&self, f: F) -> anyhow::Result<FitResult<R>>
+    where
+        R: Serialize + serde::de::DeserializeOwned + Send,
+        F: Fn(&mut TrainContext) -> anyhow::Result<R> + Send + Sync,
+    {
+        self.check()?;
+        let s = &self.scaling;
+        let mut opts = SpawnOptions::new(s.num_workers, s.backend).config(s.comm.clone());
+        if let Some(l) = s.launch {
+            opts = opts.launch(l);
+        }
+        opts.threads_per_rank = s.threads_per_worker;
+        opts.child_args = s.child_args.clone();
+        let dir = match std::env::var(ENV_REPORT_DIR) {
+            Ok(d) if is_spawned_child() => PathBuf::from(d),
+            _ => {
+                let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos();
+                let d = std::env::temp_dir().join(format!("shardlab-fit-{}-{nanos}", std::process::id()));
+                std::fs::create_dir_all(&d)?;
+                d
+            }
+        };
+        opts.env.push((ENV_REPORT_DIR.into(), dir.to_string_lossy().into_owned()));
+        let work = |pg: &ProcessGroup| {
+            let report = std::fs::File::create(dir.join(format!("rank{}.jsonl", pg.rank())))?;
+            let mut ctx = TrainContext { pg, scaling: s, report: Some(report) };
+            f(&mut ctx)
+        };
+        if is_spawned_child() {
+            // A worker process: runs its rank and exits inside spawn_with.
+            let results = spawn_with(opts, work)?;
+            return Ok(FitResult { results, reports: vec![] });
+        }
+        let rank0 = dir.join("rank0.jsonl");
+        let out = std::thread::scope(|sc| {
+            let h = sc.spawn(|| spawn_with(opts, work));
+            let mut follower = Follower::new(rank0, self.total_steps, self.json);
+            while !h.is_finished() {
+                follower.poll();
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            follower.poll();
+            follower.finish();
+            (h.join().map_err(|_| anyhow::anyhow!("the launcher thread panicked")), follower.reports)
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        let (joined, reports) = out;
+        let results = joined??;
+        Ok(FitResult { results, reports })
+    }
+}
+
+/// Follows rank 0's report file: progress bar or JSON lines.
+struct Follower {
+    path: PathBuf,
+    reader: Option<std::io::BufReader<std::fs::File>>,
+    partial: String,
+    bar: Option<indicatif::ProgressBar>,
+    json: bool,
+    reports: Vec<serde_json::Value>,
+}
+
+impl Follower {
+    fn new(path: PathBuf, total: Option<u64>, json: bool) -> Self {
+        let bar = match total {
+            Some(n) if !json => {
+                let b = indicatif::ProgressBar::new(n);
+                b.set_style(
+                    indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {elapsed_precise} {msg}")
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                );
+                Some(b)
+            }
+            _ => None,
+        };
+        Follower { path, reader: None, partial: String::new(), bar, json, reports: Vec::new() }
+    }
+    fn poll(&mut self) {
+        if self.reader.is_none() {
+            self.reader = std::fs::File::open(&self.path).ok().map(std::io::BufReader::new);
+        }
+        let Some(r) = self.reader.as_mut() else { return };
+        loop {
+            let mut buf = String::new();
+            match r.read_line(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    self.partial.push_str(&buf);
+                    if !self.partial.ends_with('\n') {
+                        continue; // the writer is mid-line; the rest comes with a later poll
+                    }
+                    let line = std::mem::take(&mut self.partial);
+                    if let Ok(v) = serde_json::from_str::<serde_json::Value>(line.trim()) {
+                        if self.json {
+                            println!("{}", line.trim());
+                        }
+                        if let Some(b) = &self.bar {
+                            if let Some(step) = v.get("step").and_then(|s| s.as_u64()) {
+                                b.set_position(step + 1);
+                            }
+                            let msg: Vec<String> = ["loss", "tokens_per_s"]
+                                .iter()
+                                .filter_map(|k| v.get(*k).and_then(|x| x.as_f64()).map(|x| format!("{k} {x:.4}")))
+                                .collect();
+                            b.set_message(msg.join("  "));
+                        }
+                        self.reports.push(v);
+                    }
+                }
+            }
+        }
+    }
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish();
+        }
+    }
+}
