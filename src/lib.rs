@@ -11,6 +11,7 @@ pub mod bench;
 pub mod comm;
 pub mod data;
 pub mod ddp;
+pub mod job;
 pub mod launch;
 pub mod model;
 pub mod optim;

@@ -12,14 +12,13 @@
 //! one JSON object: one per step, the last a summary (`strategy`, `world_size`, `params`,
 //! `tokens_per_s` — all ranks together, median over the steps after warm-up — and `final_loss`).
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::Parser;
 use serde_json::json;
-use shardlab::data::{synthetic_corpus, DistributedSampler, Tokens};
-use shardlab::ddp::{self, Variant};
+use shardlab::data::synthetic_corpus;
+use shardlab::ddp::Variant;
+use shardlab::job::{self, DataSource, GptJob};
 use shardlab::prelude::*;
-use shardlab::trainer::{ScalingConfig, Strategy, Trainer};
-use std::time::Instant;
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Train the course's GPT (nanoGPT names) single-process or data parallel")]
@@ -90,44 +89,46 @@ struct Args {
 }
 
 impl Args {
-    fn gpt(&self) -> GptConfig {
-        GptConfig {
-            vocab_size: self.vocab_size,
-            block_size: self.block_size,
-            n_layer: self.n_layer,
-            n_head: self.n_head,
-            n_embd: self.n_embd,
+    fn job(&self) -> GptJob {
+        GptJob {
+            model: GptConfig {
+                vocab_size: self.vocab_size,
+                block_size: self.block_size,
+                n_layer: self.n_layer,
+                n_head: self.n_head,
+                n_embd: self.n_embd,
+            },
+            batch_size: self.batch_size,
+            accum: self.accum,
+            steps: self.steps,
+            warmup: self.warmup,
+            optim: AdamWConfig { lr: self.lr, weight_decay: self.weight_decay, ..AdamWConfig::default() },
+            data: match &self.data {
+                Some(p) => DataSource::File(p.clone()),
+                None => DataSource::Synthetic { tokens: self.synthetic_tokens, seed: self.seed },
+            },
+            seed: self.seed,
+            init: self.init.clone(),
+            save: self.save.clone(),
         }
-    }
-    fn tokens(&self) -> anyhow::Result<Tokens> {
-        match &self.data {
-            Some(p) => Tokens::read(p),
-            None => Ok(synthetic_corpus(self.synthetic_tokens, self.seed)),
-        }
-    }
-    fn model(&self) -> anyhow::Result<Gpt> {
-        let m = Gpt::new(self.gpt(), self.seed)?;
-        if let Some(p) = &self.init {
-            m.load_safetensors(p)?;
-        }
-        Ok(m)
     }
 }
 
+/// Mean cross-entropy over every complete consecutive window of the data (no sampling).
 fn eval(args: &Args) -> anyhow::Result<()> {
     if let Some(t) = args.threads {
         tch::set_num_threads(t);
     }
-    let data = args.tokens()?;
-    let t = args.block_size as usize;
-    data.check(args.vocab_size, args.block_size)?;
-    let model = args.model()?;
+    let job = args.job();
+    let data = job.data.load()?;
+    let t = job.model.block_size as usize;
+    data.check(job.model.vocab_size, job.model.block_size)?;
+    let model = job.build_model()?;
     let offsets = data.eval_offsets(t);
     let mut total = 0.0;
     tch::no_grad(|| {
         for chunk in offsets.chunks(16) {
-            let b = data.windows(chunk, t);
-            total += model.loss(&b).double_value(&[]) * chunk.len() as f64;
+            total += model.loss(&data.windows(chunk, t)).double_value(&[]) * chunk.len() as f64;
         }
     });
     let loss = total / offsets.len() as f64;
@@ -146,115 +147,43 @@ fn main() -> anyhow::Result<()> {
         println!("wrote {} synthetic tokens to {}", args.synthetic_tokens, p.display());
         return Ok(());
     }
-    args.gpt().validate()?;
+    args.job().model.validate()?;
     if args.eval_only {
         return eval(&args);
-    }
-    if args.steps <= args.warmup {
-        bail!("--steps ({}) must be larger than --warmup ({})", args.steps, args.warmup);
     }
     if args.strategy == Strategy::Single && args.world_size != 1 {
         bail!("--strategy single runs one process; use --strategy ddp for --world-size {}", args.world_size);
     }
-    if args.accum < 1 || args.accum as usize > args.batch_size {
-        bail!("--accum must be in 1..={} (the per-rank batch)", args.batch_size);
-    }
-    // Fail before starting workers on data that does not fit the model.
-    if !shardlab::launch::is_spawned_child() {
-        args.tokens()?.check(args.vocab_size, args.block_size).context("the training data")?;
-    }
-    let scaling = ScalingConfig {
-        num_workers: args.world_size,
-        backend: if args.strategy == Strategy::Single { Backend::Local } else { args.backend },
-        strategy: args.strategy,
-        variant: args.variant,
-        bucket_cap_bytes: (args.bucket_mb * 1024.0 * 1024.0) as usize,
-        threads_per_worker: args.threads,
-        ..ScalingConfig::default()
-    };
-    let params = args.gpt().num_params();
-    let tokens_per_step = (args.batch_size * args.world_size) as f64 * args.block_size as f64;
-    let a = args.clone();
-    let fit = Trainer::new(scaling).progress(args.steps).json_lines(args.json).fit(move |ctx| {
-        let data = a.tokens()?;
-        let model = a.model()?;
-        let opt_cfg = AdamWConfig { lr: a.lr, weight_decay: a.weight_decay, ..AdamWConfig::default() };
-        let mut opt = opt_cfg.build(&model)?;
-        let mut dp = ctx.prepare_model(Box::new(model))?;
-        let (rank, n) = (ctx.rank(), ctx.world_size());
-        let sampler = DistributedSampler::new(a.block_size as usize, a.batch_size * n, rank, n, a.seed)?;
-        let mut step_s = Vec::new();
-        let mut last = f64::NAN;
-        for step in 0..a.steps {
-            let batch = sampler.batch(&data, step);
-            ctx.group().barrier()?;
-            let t0 = Instant::now();
-            let local = ddp::train_step(&mut *dp, &mut opt, &batch, a.accum)?;
-            let dt = t0.elapsed().as_secs_f64();
-            // The global batch's loss: the mean of the ranks' (equal-sized) local means.
-            let mut l = Tensor::from_slice(&[local]);
-            ctx.group().all_reduce(&mut l, ReduceOp::Avg)?;
-            last = l.double_value(&[0]);
-            if step >= a.warmup {
-                step_s.push(dt);
-            }
-            ctx.report(json!({"step": step, "loss": last, "step_s": dt, "tokens_per_s": tokens_per_step / dt}))?;
-        }
-        let st = dp.stats();
-        if rank == 0 {
-            if let Some(p) = &a.save {
-                shardlab::model::save_safetensors(dp.model(), p)?;
-            }
-        }
-        let mut v = step_s.clone();
-        let median = shardlab::bench::median(&mut v);
-        Ok(json!({"median_step_s": median, "final_loss": last, "ddp": st}))
-    })?;
-    let r0 = &fit.results[0];
-    let median = r0["median_step_s"].as_f64().unwrap_or(f64::NAN);
-    let st: DdpStats = serde_json::from_value(r0["ddp"].clone()).unwrap_or_default();
-    let summary = json!({
-        "summary": true,
-        "strategy": format!("{:?}", args.strategy).to_lowercase(),
-        "variant": if args.strategy == Strategy::Ddp { Some(format!("{:?}", args.variant).to_lowercase()) } else { None },
-        "world_size": args.world_size,
-        "backend": format!("{:?}", args.backend).to_lowercase(),
-        "params": params,
-        "tokens_per_step": tokens_per_step,
-        "median_step_s": median,
-        "tokens_per_s": tokens_per_step / median,
-        "final_loss": r0["final_loss"],
-        "comm_s": st.comm_s,
-        "exposed_comm_s": st.exposed_s,
-        "hidden_comm_fraction": st.hidden_fraction(),
-    });
+    let mut scaling = job::scaling(
+        args.strategy,
+        args.world_size,
+        args.backend,
+        args.variant,
+        (args.bucket_mb * 1024.0 * 1024.0) as usize,
+    );
+    scaling.threads_per_worker = args.threads;
+    let s = args.job().fit(scaling, !args.json, args.json)?;
     if args.json {
-        println!("{summary}");
+        let mut v = serde_json::to_value(&s)?;
+        v["summary"] = json!(true);
+        v.as_object_mut().map(|o| o.remove("losses"));
+        println!("{v}");
     } else {
         println!(
-            "{} × {} ({}): {} params, final loss {:.4}, {:.0} tokens/s (median step {:.1} ms), comm {:.2} s of which {:.0}% hidden",
-            args.strategy.to_string_lossy(),
-            args.world_size,
-            summary["variant"].as_str().unwrap_or("-"),
-            params,
-            r0["final_loss"].as_f64().unwrap_or(f64::NAN),
-            tokens_per_step / median,
-            median * 1e3,
-            st.comm_s,
-            100.0 * st.hidden_fraction()
+            "{} × {}{}: {} params, final loss {:.4}, {:.0} tokens/s (median step {:.1} ms); communication {:.2} s, {:.0}% hidden",
+            s.strategy,
+            s.world_size,
+            s.variant.as_deref().map(|v| format!(" ({v})")).unwrap_or_default(),
+            s.params,
+            s.final_loss,
+            s.tokens_per_s,
+            s.median_step_s * 1e3,
+            s.comm_s,
+            100.0 * s.hidden_comm_fraction
         );
         if let Some(p) = &args.save {
             println!("saved {}", p.display());
         }
     }
     Ok(())
-}
-
-trait Lossy {
-    fn to_string_lossy(&self) -> String;
-}
-impl Lossy for Strategy {
-    fn to_string_lossy(&self) -> String {
-        format!("{self:?}").to_lowercase()
-    }
 }

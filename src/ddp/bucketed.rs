@@ -14,7 +14,7 @@
 
 use super::{DataParallel, DdpStats};
 use crate::comm::{CommResult, ProcessGroup, ReduceOp, Work};
-use crate::model::{grads, staged_backward, zero_grads, Batch, Model};
+use crate::model::{grads, staged_backward, Batch, Model};
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
@@ -64,7 +64,6 @@ impl<'a> DdpBucketed<'a> {
     pub fn new(pg: &'a ProcessGroup, model: Box<dyn Model + 'a>, cap_bytes: usize) -> CommResult<Self> {
         let mut params = model.parameters();
         tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
-        zero_grads(&params);
         let stages = model.param_stages();
         let sizes: Vec<usize> = params.iter().map(|p| p.numel() * 4).collect();
         let buckets = assign_buckets(&sizes, cap_bytes.max(1))
@@ -99,7 +98,6 @@ impl DataParallel for DdpBucketed<'_> {
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
         let DdpBucketed { pg, model, params, buckets, require_sync, stats } = self;
         let sync = *require_sync;
-        let grads = grads(params);
         let mut works: Vec<(usize, Work)> = Vec::new();
         let mut err = None;
         let t0 = Instant::now();
@@ -108,9 +106,9 @@ impl DataParallel for DdpBucketed<'_> {
                 return;
             }
             for (bi, b) in buckets.iter().enumerate().filter(|(_, b)| b.ready_stage == stage) {
-                for (&i, &off) in b.params.iter().zip(&b.offsets) {
-                    let n = grads[i].numel() as i64;
-                    b.flat.narrow(0, off, n).copy_(&grads[i].view([-1]));
+                let g = grads(&b.params.iter().map(|&i| params[i].shallow_clone()).collect::<Vec<_>>());
+                for (g, &off) in g.iter().zip(&b.offsets) {
+                    b.flat.narrow(0, off, g.numel() as i64).copy_(&g.view([-1]));
                 }
                 match pg.all_reduce_async(&b.flat, ReduceOp::Avg) {
                     Ok(w) => works.push((bi, w)),
@@ -140,7 +138,7 @@ impl DataParallel for DdpBucketed<'_> {
             stats.comm_s += (t.finished - t.started).as_secs_f64();
             let b = &buckets[bi];
             for (&i, &off) in b.params.iter().zip(&b.offsets) {
-                let mut g = grads[i].shallow_clone();
+                let mut g = params[i].grad();
                 g.copy_(&b.flat.narrow(0, off, g.numel() as i64).view_as(&g));
             }
             stats.bytes += (b.flat.numel() * 4) as u64;

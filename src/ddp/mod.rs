@@ -111,8 +111,8 @@ pub fn micro_batches(rows: i64, accum: i64) -> Vec<(i64, i64)> {
 
 /// One optimizer step of data-parallel training on this rank's `batch`, cut into `accum`
 /// micro-batches: backward under `no_sync` for all but the last, each loss scaled by its share of
-/// the rows (so the accumulated gradient is that of the batch mean), then `opt.step()` and zeroed
-/// gradients. Returns this rank's mean loss over the batch.
+/// the rows (so the accumulated gradient is that of the batch mean), then `opt.step()` and
+/// `opt.zero_grad()`. Returns this rank's mean loss over the batch.
 pub fn train_step(
     dp: &mut dyn DataParallel,
     opt: &mut tch::nn::Optimizer,
@@ -130,7 +130,7 @@ pub fn train_step(
         loss += r? * share;
     }
     opt.step();
-    crate::model::zero_grads(&dp.model().parameters());
+    opt.zero_grad(); // frees the gradients (set_to_none=True), as PyTorch's default
     Ok(loss)
 }
 
@@ -150,7 +150,6 @@ impl<'a> Single<'a> {
                 pg.world_size()
             )));
         }
-        crate::model::zero_grads(&model.parameters());
         Ok(Single { pg, model, stats: DdpStats::default() })
     }
 }

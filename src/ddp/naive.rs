@@ -6,7 +6,7 @@
 
 use super::{DataParallel, DdpStats};
 use crate::comm::{CommResult, ProcessGroup, ReduceOp};
-use crate::model::{grads, zero_grads, Batch, Model};
+use crate::model::{grads, Batch, Model};
 use std::time::Instant;
 use tch::Tensor;
 
@@ -24,7 +24,6 @@ impl<'a> DdpNaive<'a> {
     pub fn new(pg: &'a ProcessGroup, model: Box<dyn Model + 'a>) -> CommResult<Self> {
         let mut params = model.parameters();
         tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
-        zero_grads(&params);
         Ok(DdpNaive { pg, model, params, require_sync: true, stats: DdpStats::default() })
     }
 }

@@ -116,22 +116,30 @@ pub fn save_safetensors(model: &dyn Model, path: impl AsRef<std::path::Path>) ->
     Tensor::write_safetensors(&sd, path).with_context(|| format!("writing {}", path.display()))
 }
 
-/// Set every parameter's gradient to zero, allocating it if absent (like PyTorch's
-/// `zero_grad(set_to_none=False)`): the parallel wrappers write reduced gradients into these
-/// tensors in place, so they must exist.
-pub fn zero_grads(params: &[Tensor]) {
+/// Give every parameter that has no gradient tensor a zero one (a parameter unused by the last
+/// backward has none, and the parallel wrappers need a tensor to write the reduced gradient into).
+pub fn ensure_grads(params: &[Tensor]) {
     let missing: Vec<&Tensor> = params.iter().filter(|p| !p.grad().defined()).collect();
     if !missing.is_empty() {
         // tch cannot assign `.grad` directly; a backward through `0·p` allocates it.
         let z = missing.iter().map(|p| (*p * 0.0).sum(tch::Kind::Float)).reduce(|a, b| a + b).expect("non-empty");
         z.backward();
     }
+}
+
+/// Set every parameter's gradient to zero, allocating it if absent (PyTorch's
+/// `zero_grad(set_to_none=False)`). Training loops use the optimizer's `zero_grad()` instead,
+/// which frees the gradients (`set_to_none=True`): the next backward then writes fresh tensors
+/// rather than adding into zeroed ones.
+pub fn zero_grads(params: &[Tensor]) {
+    ensure_grads(params);
     for p in params {
         let _ = p.grad().detach_().zero_();
     }
 }
 
-/// The gradient tensors of `params` (call [`zero_grads`] first so that all exist).
+/// The gradient tensors of `params`, allocating zeros for any that has none.
 pub fn grads(params: &[Tensor]) -> Vec<Tensor> {
+    ensure_grads(params);
     params.iter().map(|p| p.grad()).collect()
 }

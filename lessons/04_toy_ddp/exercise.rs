@@ -1,0 +1,40 @@
+//! Lesson 04 — toy DDP: your exercises.
+//! Replace each `todo!()`; check your work with `cargo grade 04`. Hints are in this lesson's README.
+#![allow(unused_variables, unused_imports)]
+
+use shardlab::model::{Batch, Model};
+use shardlab::prelude::*;
+use std::ops::Range;
+
+/// Exercise 1 — the rows of a global batch of `global_batch` rows that `rank` of `world_size`
+/// trains on: equal, disjoint, contiguous shares in rank order (rank 0 first). The global batch
+/// is a multiple of the world size.
+pub fn shard_rows(global_batch: usize, rank: usize, world_size: usize) -> Range<usize> {
+    // TODO: each rank gets global_batch / world_size rows; rank r's start where rank r−1's end.
+    todo!()
+}
+
+/// Exercise 2 — make every rank start from rank 0's weights: overwrite each parameter, in place,
+/// with rank 0's values.
+pub fn sync_initial_weights(pg: &ProcessGroup, params: &mut [Tensor]) -> CommResult<()> {
+    // TODO: broadcast every parameter from rank 0, in place. Parameters require grad: do the
+    // in-place writes inside tch::no_grad(|| …).
+    todo!()
+}
+
+/// Exercise 3 — after backward, replace every parameter's gradient with the average of that
+/// gradient over all ranks (in place, so the optimizer sees it).
+pub fn average_gradients(pg: &ProcessGroup, params: &[Tensor]) -> CommResult<()> {
+    // TODO: for each parameter take p.grad(), sum it over all ranks with pg.all_reduce, then
+    // divide it by the world size — all in place.
+    todo!()
+}
+
+/// Exercise 4 — one step of data-parallel training: forward and backward on this rank's rows of
+/// the `global` batch, average the gradients, `opt.step()`, `opt.zero_grad()`. Returns this
+/// rank's loss.
+pub fn ddp_step(pg: &ProcessGroup, model: &dyn Model, opt: &mut tch::nn::Optimizer, global: &Batch) -> CommResult<f64> {
+    // TODO: slice your rows with shard_rows and global.rows(lo, hi); loss = model.loss(&local);
+    // backward; average_gradients; opt.step(); opt.zero_grad(); return the loss value.
+    todo!()
+}

@@ -1,0 +1,43 @@
+//! Lesson 05 — production DDP: your exercises.
+//! Replace each `todo!()`; check your work with `cargo grade 05`. Hints are in this lesson's README.
+#![allow(unused_variables, unused_imports)]
+
+use shardlab::ddp::DataParallel;
+use shardlab::model::Batch;
+use shardlab::prelude::*;
+
+/// Exercise 1 — bucket assignment. Parameters have `sizes[i]` gradient bytes, in registration
+/// order. Walk them from the *last* to the first and pack them greedily into buckets of at most
+/// `cap` bytes: start a new bucket when the next parameter would overflow the current one. A
+/// parameter larger than `cap` gets a bucket of its own. Each bucket lists parameter indices in
+/// the order visited.
+pub fn assign_buckets(sizes: &[usize], cap: usize) -> Vec<Vec<usize>> {
+    // TODO: for i from sizes.len()−1 down to 0: if the current bucket is non-empty and adding
+    // sizes[i] would exceed cap, close it; push i; keep a running byte count.
+    todo!()
+}
+
+/// Exercise 2 — when is a bucket ready? Backward runs the stages from last to first, and a
+/// parameter's gradient is final once the backward of `param_stages[i]` (the first stage that
+/// uses it) has run. Return the stage after whose backward every gradient in `bucket` is final.
+pub fn bucket_ready_stage(bucket: &[usize], param_stages: &[usize]) -> usize {
+    // TODO: the bucket is ready after the backward of the earliest (smallest) first-use stage
+    // among its parameters.
+    todo!()
+}
+
+/// Exercise 3 — gradient accumulation. Cut this rank's `batch` into `accum` micro-batches
+/// (`shardlab::ddp::micro_batches`), run `dp.backward` on each with the loss scaled by the
+/// micro-batch's share of the rows, synchronising gradients only on the last one (the others
+/// inside `no_sync`); then `opt.step()` and `opt.zero_grad()`. Returns the batch's mean loss.
+pub fn accumulate_step(
+    dp: &mut dyn DataParallel,
+    opt: &mut tch::nn::Optimizer,
+    batch: &Batch,
+    accum: i64,
+) -> CommResult<f64> {
+    // TODO: for each (lo, hi) of micro_batches(batch.len(), accum): dp.set_require_sync(only on the
+    // last), loss += dp.backward(&batch.rows(lo, hi), share)? · share, and turn sync back on;
+    // then opt.step(); opt.zero_grad().
+    todo!()
+}

@@ -1,0 +1,185 @@
+//! A GPT training job — data, model, optimizer and the per-worker loop — as the `train` bin and
+//! the lesson bins run it through the [`Trainer`](crate::trainer::Trainer).
+//!
+//! Every step: this rank's rows of the global batch ([`DistributedSampler`]), a barrier (so step
+//! times measure the slowest rank), [`train_step`](crate::ddp::train_step), and the global loss
+//! (average of the ranks' equal-sized local means). Each step is reported to the driver.
+
+use crate::comm::{Backend, ReduceOp};
+use crate::data::{synthetic_corpus, DistributedSampler, Tokens};
+use crate::ddp::{self, DdpStats, Variant};
+use crate::model::{Gpt, GptConfig, Model};
+use crate::optim::AdamWConfig;
+use crate::trainer::{ScalingConfig, Strategy, TrainContext, Trainer};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Instant;
+use tch::Tensor;
+
+/// Where the tokens come from.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum DataSource {
+    /// A token file (little-endian u16 ids).
+    File(PathBuf),
+    /// The synthetic arithmetic corpus: this many tokens from this seed.
+    Synthetic { tokens: usize, seed: u64 },
+}
+
+impl DataSource {
+    pub fn load(&self) -> anyhow::Result<Tokens> {
+        match self {
+            DataSource::File(p) => Tokens::read(p),
+            DataSource::Synthetic { tokens, seed } => Ok(synthetic_corpus(*tokens, *seed)),
+        }
+    }
+}
+
+/// Everything a GPT training run needs besides the scaling.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GptJob {
+    pub model: GptConfig,
+    /// Sequences per rank per step.
+    pub batch_size: usize,
+    /// Micro-batches per step (gradient accumulation).
+    pub accum: i64,
+    pub steps: u64,
+    /// Steps left out of the throughput median.
+    pub warmup: u64,
+    pub optim: AdamWConfig,
+    pub data: DataSource,
+    /// Model init and batch sampling seed.
+    pub seed: u64,
+    /// Start from these weights (safetensors, nanoGPT names).
+    pub init: Option<PathBuf>,
+    /// Rank 0 writes the final weights here.
+    pub save: Option<PathBuf>,
+}
+
+/// What a finished run reports (rank 0's view; every rank holds the same weights).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunSummary {
+    pub strategy: String,
+    pub variant: Option<String>,
+    pub world_size: usize,
+    pub params: i64,
+    pub tokens_per_step: f64,
+    pub median_step_s: f64,
+    /// All ranks together, median over the steps after warm-up.
+    pub tokens_per_s: f64,
+    pub final_loss: f64,
+    /// Global loss of every step.
+    pub losses: Vec<f64>,
+    /// Communication seconds (per rank, all steps), the part not hidden behind compute, and the
+    /// hidden fraction.
+    pub comm_s: f64,
+    pub exposed_comm_s: f64,
+    pub hidden_comm_fraction: f64,
+    pub ddp: DdpStats,
+}
+
+impl GptJob {
+    /// Build the model: fresh init from `seed`, or the `init` weights.
+    pub fn build_model(&self) -> anyhow::Result<Gpt> {
+        let m = Gpt::new(self.model, self.seed)?;
+        if let Some(p) = &self.init {
+            m.load_safetensors(p)?;
+        }
+        Ok(m)
+    }
+
+    /// Check the job against its data before any worker starts.
+    pub fn check(&self, world_size: usize) -> anyhow::Result<()> {
+        self.model.validate()?;
+        anyhow::ensure!(self.steps > self.warmup, "steps ({}) must be more than warmup ({})", self.steps, self.warmup);
+        anyhow::ensure!(
+            self.accum >= 1 && self.accum as usize <= self.batch_size,
+            "accumulation steps must be in 1..={} (the per-rank batch)",
+            self.batch_size
+        );
+        DistributedSampler::new(self.model.block_size as usize, self.batch_size * world_size, 0, world_size, 0)?;
+        self.data.load()?.check(self.model.vocab_size, self.model.block_size)
+    }
+
+    /// The per-worker loop (call inside [`Trainer::fit`]). Returns this rank's summary.
+    pub fn run(&self, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
+        let data = self.data.load()?;
+        let model = self.build_model()?;
+        let params = model.num_params();
+        let mut opt = self.optim.build(&model)?;
+        let mut dp = ctx.prepare_model(Box::new(model))?;
+        let (rank, n) = (ctx.rank(), ctx.world_size());
+        let sampler = DistributedSampler::new(self.model.block_size as usize, self.batch_size * n, rank, n, self.seed)?;
+        let tokens_per_step = (self.batch_size * n) as f64 * self.model.block_size as f64;
+        let (mut step_s, mut losses) = (Vec::new(), Vec::new());
+        for step in 0..self.steps {
+            let batch = sampler.batch(&data, step);
+            ctx.group().barrier()?;
+            let t0 = Instant::now();
+            let local = ddp::train_step(&mut *dp, &mut opt, &batch, self.accum)?;
+            let dt = t0.elapsed().as_secs_f64();
+            let mut l = Tensor::from_slice(&[local]);
+            ctx.group().all_reduce(&mut l, ReduceOp::Avg)?;
+            let loss = l.double_value(&[0]);
+            losses.push(loss);
+            if step >= self.warmup {
+                step_s.push(dt);
+            }
+            ctx.report(json!({"step": step, "loss": loss, "step_s": dt, "tokens_per_s": tokens_per_step / dt}))?;
+        }
+        if rank == 0 {
+            if let Some(p) = &self.save {
+                crate::model::save_safetensors(dp.model(), p)?;
+            }
+        }
+        let median = crate::bench::median(&mut step_s);
+        let st = dp.stats();
+        let strategy = ctx.scaling().strategy;
+        Ok(RunSummary {
+            strategy: format!("{strategy:?}").to_lowercase(),
+            variant: (strategy == Strategy::Ddp).then(|| format!("{:?}", ctx.scaling().variant).to_lowercase()),
+            world_size: n,
+            params,
+            tokens_per_step,
+            median_step_s: median,
+            tokens_per_s: tokens_per_step / median,
+            final_loss: *losses.last().unwrap_or(&f64::NAN),
+            losses,
+            comm_s: st.comm_s,
+            exposed_comm_s: st.exposed_s,
+            hidden_comm_fraction: st.hidden_fraction(),
+            ddp: st,
+        })
+    }
+
+    /// Check, then run on `scaling`'s workers; rank 0's summary.
+    pub fn fit(&self, scaling: ScalingConfig, progress: bool, json_lines: bool) -> anyhow::Result<RunSummary> {
+        if !crate::launch::is_spawned_child() {
+            self.check(scaling.num_workers)?;
+        }
+        let mut t = Trainer::new(scaling).json_lines(json_lines);
+        if progress {
+            t = t.progress(self.steps);
+        }
+        let mut fit = t.fit(|ctx| self.run(ctx))?;
+        Ok(fit.results.remove(0))
+    }
+}
+
+/// A [`ScalingConfig`] for `strategy` on `world_size` workers (single: one local worker).
+pub fn scaling(
+    strategy: Strategy,
+    world_size: usize,
+    backend: Backend,
+    variant: Variant,
+    bucket_cap_bytes: usize,
+) -> ScalingConfig {
+    ScalingConfig {
+        num_workers: world_size,
+        backend: if strategy == Strategy::Single { Backend::Local } else { backend },
+        strategy,
+        variant,
+        bucket_cap_bytes,
+        ..ScalingConfig::default()
+    }
+}

@@ -1,0 +1,94 @@
+//! Grader for lesson 05 (production DDP: buckets, overlap, gradient accumulation).
+//!
+//! `cargo test --test lesson05` grades the reference answers in `solutions/`;
+//! `cargo grade 05` grades your `lessons/05_production_ddp/exercise.rs`.
+
+#[cfg(not(feature = "grade"))]
+#[path = "../solutions/05_production_ddp.rs"]
+mod answer;
+#[cfg(feature = "grade")]
+#[path = "../lessons/05_production_ddp/exercise.rs"]
+mod answer;
+
+use answer::*;
+use shardlab::data::{synthetic_corpus, DistributedSampler};
+use shardlab::ddp::{self, Variant};
+use shardlab::model::{Gpt, GptConfig, Model};
+use shardlab::prelude::*;
+
+#[test]
+fn ex1_buckets_are_reverse_order_and_capped() {
+    // Worked example: 6 tensors, cap 8 bytes.
+    assert_eq!(assign_buckets(&[4, 4, 10, 4, 4, 4], 8), vec![vec![5, 4], vec![3], vec![2], vec![1, 0]]);
+    assert_eq!(assign_buckets(&[], 8), Vec::<Vec<usize>>::new());
+    assert_eq!(assign_buckets(&[1, 1, 1], 100), vec![vec![2, 1, 0]]);
+    // Properties on a pseudo-random case.
+    let sizes: Vec<usize> = (0..200).map(|i| (i * 7919 % 97) * 64 + 4).collect();
+    for cap in [1usize, 100, 4096, 25 << 20] {
+        let b = assign_buckets(&sizes, cap);
+        let order: Vec<usize> = b.iter().flatten().copied().collect();
+        assert_eq!(order, (0..sizes.len()).rev().collect::<Vec<_>>(), "cap {cap}: every index once, last first");
+        for bucket in &b {
+            let bytes: usize = bucket.iter().map(|&i| sizes[i]).sum();
+            assert!(bytes <= cap || bucket.len() == 1, "cap {cap}: bucket {bucket:?} has {bytes} bytes");
+        }
+        for w in b.windows(2) {
+            let bytes: usize = w[0].iter().map(|&i| sizes[i]).sum();
+            assert!(bytes + sizes[w[1][0]] > cap, "cap {cap}: {:?} had room for parameter {} (greedy)", w[0], w[1][0]);
+        }
+    }
+}
+
+#[test]
+fn ex2_a_bucket_is_ready_after_its_earliest_stage() {
+    // GPT with 2 blocks: stage 0 embeddings, 1–2 blocks, 3 head.
+    let m = Gpt::new(GptConfig::tiny(), 0).unwrap();
+    let stages = m.param_stages();
+    assert_eq!(bucket_ready_stage(&[27, 26], &stages), 3, "ln_f only: ready after the head");
+    assert_eq!(bucket_ready_stage(&[25, 14, 13], &stages), 1, "block 1's last params and block 0's first");
+    assert_eq!(bucket_ready_stage(&[3, 2, 1, 0], &stages), 0, "wte (also the lm_head) waits for the embeddings");
+    assert_eq!(bucket_ready_stage(&[5], &[9, 9, 9, 9, 9, 4]), 4);
+}
+
+fn run(pg: &ProcessGroup, accum: i64, cap: usize) -> anyhow::Result<(Vec<f32>, u64, Vec<f64>)> {
+    let cfg = GptConfig::tiny();
+    let data = synthetic_corpus(4000, 7);
+    let model = Gpt::new(cfg, 1)?;
+    let mut opt = AdamWConfig { lr: 3e-3, ..AdamWConfig::default() }.build(&model)?;
+    let mut dp = ddp::wrap(pg, Box::new(model), Variant::Bucketed, cap)?;
+    let sampler = DistributedSampler::new(16, 12, pg.rank(), pg.world_size(), 3)?;
+    let mut losses = vec![];
+    for step in 0..3 {
+        losses.push(accumulate_step(&mut *dp, &mut opt, &sampler.batch(&data, step), accum)?);
+    }
+    let flat = Tensor::cat(&dp.model().parameters().iter().map(|p| p.detach().view([-1])).collect::<Vec<_>>(), 0);
+    Ok((Vec::<f32>::try_from(&flat)?, dp.stats().syncs, losses))
+}
+
+#[test]
+fn ex3_accumulation_matches_one_big_batch_and_syncs_once_per_step() {
+    // Reference: the same 3 steps on one rank without accumulation (= one process, whole batch).
+    let reference = spawn(1, Backend::Local, |pg| run(pg, 1, 1 << 30)).unwrap().remove(0);
+    for (n, accum) in [(1usize, 4i64), (2, 3), (3, 2), (4, 3)] {
+        for opts in [SpawnOptions::new(n, Backend::Local), SpawnOptions::new(n, Backend::Tcp).launch(Launch::Threads)] {
+            let backend = opts.backend;
+            let out = spawn_with(opts, move |pg| run(pg, accum, 8 * 1024)).unwrap();
+            for (rank, (params, syncs, losses)) in out.iter().enumerate() {
+                let worst = params.iter().zip(&reference.0).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst < 2e-5, "{backend:?} n={n} accum={accum} rank {rank}: parameters differ by {worst}");
+                assert_eq!(
+                    *syncs, 3,
+                    "{backend:?} n={n} accum={accum}: gradients must be all-reduced once per step, not per micro-batch"
+                );
+                if n == 1 {
+                    for (a, b) in losses.iter().zip(&reference.2) {
+                        assert!(
+                            (a - b).abs() < 1e-5,
+                            "accum={accum}: the returned loss must be the batch mean ({a} vs {b})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
