@@ -109,12 +109,33 @@ where
 }
 
 fn set_threads(opts: &SpawnOptions, ranks_here: usize) {
+    keep_freed_memory();
     let n = std::env::var("SHARDLAB_NUM_THREADS").ok().and_then(|v| v.parse().ok()).or(opts.threads_per_rank);
     match n {
         Some(n) => tch::set_num_threads(n),
         None if ranks_here > 1 => tch::set_num_threads(1),
         None => {}
     }
+}
+
+/// Make glibc's malloc keep freed memory for reuse instead of returning every large block to the
+/// kernel (the default for blocks over 128 KiB–32 MiB): a training step allocates and frees the
+/// same activation and gradient tensors every step, and with the default each reallocation is
+/// fresh pages that the kernel must fault in and zero (about 18 000 page faults per step for the
+/// benchmark GPT). The process's memory then stays at its peak, as with PyTorch's caching
+/// allocators. Set `SHARDLAB_MALLOC_DEFAULT=1` to keep glibc's defaults. Called by every rank.
+pub fn keep_freed_memory() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        if std::env::var_os("SHARDLAB_MALLOC_DEFAULT").is_none() {
+            // SAFETY: mallopt only changes allocator parameters; it is safe to call at any time.
+            unsafe {
+                libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+                libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+            }
+        }
+    });
 }
 
 /// [`spawn`] with options.

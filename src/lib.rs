@@ -20,6 +20,9 @@ pub mod plot;
 pub mod rng;
 pub mod trainer;
 
+/// Re-exported so notebooks and bins can build and read `report` metrics without their own dependency.
+pub use serde_json;
+
 /// Everything a lesson, bin or notebook usually needs.
 pub mod prelude {
     pub use crate::comm::{
@@ -33,5 +36,6 @@ pub mod prelude {
     pub use crate::optim::AdamWConfig;
     pub use crate::plot::{BarChart, LineChart};
     pub use crate::trainer::{ScalingConfig, Strategy, TrainContext, Trainer};
+    pub use serde_json::json;
     pub use tch::{Device, Kind, Tensor};
 }
