@@ -13,6 +13,7 @@ pub mod data;
 pub mod ddp;
 pub mod job;
 pub mod launch;
+pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod params;

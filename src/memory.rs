@@ -1,0 +1,129 @@
+//! The memory planner: how many bytes each device needs for model states under DDP and ZeRO
+//! stages 1–3, how much activation memory a transformer needs, and how many devices of a given
+//! size a model needs.
+//!
+//! Model states, ZeRO paper (Rajbhandari et al. 2020, §3–5) accounting, mixed-precision Adam:
+//! 2 bytes/param of 16-bit weights, 2 of 16-bit gradients, K = 12 of optimizer state (fp32 master
+//! weights, momentum and variance, 4 bytes each). With Ψ parameters and N data-parallel devices:
+//!
+//! | strategy | bytes per device |
+//! |---|---|
+//! | DDP (replicated) | (2 + 2 + K)·Ψ |
+//! | ZeRO-1 (optimizer states sharded) | 2Ψ + 2Ψ + K·Ψ/N |
+//! | ZeRO-2 (+ gradients) | 2Ψ + (2 + K)·Ψ/N |
+//! | ZeRO-3 (+ parameters; = FSDP) | (2 + 2 + K)·Ψ/N |
+//!
+//! Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+//! Models", §4.1, 16-bit activations, no tensor or sequence parallelism): per layer
+//! s·b·h·(34 + 5·a·s/h) bytes for sequence s, micro-batch b, hidden h, heads a; with full
+//! activation checkpointing only each layer's 16-bit input, 2·s·b·h bytes, is kept (plus one
+//! layer's worth recomputed at a time).
+
+use serde::{Deserialize, Serialize};
+
+/// Bytes of optimizer state per parameter in the ZeRO paper's mixed-precision Adam.
+pub const K_MIXED_ADAM: f64 = 12.0;
+
+/// Per-device model-state bytes for each strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateBytes {
+    pub ddp: f64,
+    pub zero1: f64,
+    pub zero2: f64,
+    pub zero3: f64,
+}
+
+/// Model-state bytes per device for `params` parameters on `dp` devices with `k` optimizer
+/// bytes per parameter (16-bit weights and gradients).
+pub fn model_state_bytes(params: f64, dp: f64, k: f64) -> StateBytes {
+    let p = params;
+    StateBytes {
+        ddp: (2.0 + 2.0 + k) * p,
+        zero1: 2.0 * p + 2.0 * p + k * p / dp,
+        zero2: 2.0 * p + (2.0 + k) * p / dp,
+        zero3: (2.0 + 2.0 + k) * p / dp,
+    }
+}
+
+/// A transformer's shape for activation memory.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TransformerShape {
+    pub layers: f64,
+    pub hidden: f64,
+    pub heads: f64,
+    pub seq: f64,
+    pub micro_batch: f64,
+}
+
+/// Activation bytes per device: (without checkpointing, with full activation checkpointing).
+pub fn activation_bytes(t: &TransformerShape) -> (f64, f64) {
+    let (s, b, h, a, l) = (t.seq, t.micro_batch, t.hidden, t.heads, t.layers);
+    let per_layer = s * b * h * (34.0 + 5.0 * a * s / h);
+    (l * per_layer, l * 2.0 * s * b * h + per_layer)
+}
+
+/// The fewest devices (searching 1..=`max_dp`) whose per-device memory — model states for the
+/// strategy plus `activations` — fits in `device_bytes`; `None` if even `max_dp` does not fit.
+pub fn devices_needed(params: f64, k: f64, activations: f64, device_bytes: f64, max_dp: u64) -> [Option<u64>; 4] {
+    let pick = |f: fn(&StateBytes) -> f64| {
+        (1..=max_dp).find(|&n| f(&model_state_bytes(params, n as f64, k)) + activations <= device_bytes)
+    };
+    [pick(|s| s.ddp), pick(|s| s.zero1), pick(|s| s.zero2), pick(|s| s.zero3)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ZeRO paper's Table 1 (per-device model-state memory in GB = 1e9 bytes, K = 12),
+    /// for 7.5 B, 128 B and 1 T parameters at data-parallel degrees 1, 4, 16, 64, 256, 1024
+    /// (rounded there to about three digits; the 1 T P_os+g entries at 256 and 1024 are computed
+    /// from the formula, 2Ψ + 14Ψ/N).
+    #[test]
+    fn reproduces_the_zero_papers_table_1() {
+        let rows: [(f64, [(f64, f64, f64); 3]); 6] = [
+            (1.0, [(120.0, 120.0, 120.0), (2048.0, 2048.0, 2048.0), (16000.0, 16000.0, 16000.0)]),
+            (4.0, [(52.5, 41.3, 30.0), (896.0, 704.0, 512.0), (7000.0, 5500.0, 4000.0)]),
+            (16.0, [(35.6, 21.6, 7.5), (608.0, 368.0, 128.0), (4750.0, 2875.0, 1000.0)]),
+            (64.0, [(31.4, 16.6, 1.88), (536.0, 284.0, 32.0), (4187.0, 2218.0, 250.0)]),
+            (256.0, [(30.4, 15.4, 0.47), (518.0, 263.0, 8.0), (4046.0, 2054.7, 62.5)]),
+            (1024.0, [(30.1, 15.1, 0.12), (513.0, 257.0, 2.0), (4011.0, 2013.7, 15.6)]),
+        ];
+        for (dp, models) in rows {
+            for (params, (os, osg, osgp)) in [7.5e9, 128e9, 1e12].into_iter().zip(models) {
+                let b = model_state_bytes(params, dp, K_MIXED_ADAM);
+                assert!((b.ddp / 1e9 - 16.0 * params / 1e9).abs() < 1e-6);
+                for (got, want) in [(b.zero1, os), (b.zero2, osg), (b.zero3, osgp)] {
+                    let got = got / 1e9;
+                    // The paper rounds to 3 significant digits.
+                    assert!(
+                        (got - want).abs() <= (0.006 * want).max(0.005),
+                        "Ψ={params} N={dp}: {got} vs the paper's {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn twelve_versus_sixteen_bytes_for_70b_on_8() {
+        // A 12-bytes-per-parameter accounting, fully sharded over 8 devices: 105 GB; ZeRO's 16: 140 GB.
+        assert!((70e9_f64 * 12.0 / 8.0 / 1e9 - 105.0).abs() < 1e-9);
+        assert!((model_state_bytes(70e9, 8.0, K_MIXED_ADAM).zero3 / 1e9 - 140.0).abs() < 1e-9);
+        assert!((model_state_bytes(70e9, 8.0, 8.0).zero3 / 1e9 - 105.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn activations_and_devices() {
+        // GPT-3 175B-like layer (s 2048, b 1, h 12288, a 96): 34 + 5·96·2048/12288 = 114 bytes per s·b·h.
+        let t = TransformerShape { layers: 96.0, hidden: 12288.0, heads: 96.0, seq: 2048.0, micro_batch: 1.0 };
+        let (full, ckpt) = activation_bytes(&t);
+        assert!((full - 96.0 * 2048.0 * 12288.0 * 114.0).abs() < 1.0);
+        assert!(ckpt < full / 10.0);
+        let n = devices_needed(7.5e9, 12.0, 0.0, 32e9, 1 << 16);
+        assert_eq!(n[0], None, "DDP: 120 GB never fits a 32 GB device");
+        assert_eq!(n[3], Some(4), "ZeRO-3: 120/4 = 30 GB");
+        assert_eq!(n[2], Some(7), "ZeRO-2: 15 + 105/N ≤ 32 needs N ≥ 6.2");
+        assert_eq!(n[1], Some(45), "ZeRO-1: 30 + 90/N ≤ 32 needs N ≥ 45");
+    }
+}
