@@ -20,6 +20,7 @@ pub mod params;
 pub mod plot;
 pub mod rng;
 pub mod trainer;
+pub mod zero;
 
 /// Re-exported so notebooks and bins can build and read `report` metrics without their own dependency.
 pub use serde_json;

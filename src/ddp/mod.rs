@@ -75,6 +75,18 @@ pub trait DataParallel {
     fn set_require_sync(&mut self, on: bool);
     /// Timings and volumes so far.
     fn stats(&self) -> DdpStats;
+    /// Copies of the full parameters, in `named_parameters` order, on every rank (a collective
+    /// for sharded strategies: call it on all ranks).
+    fn full_parameters(&self) -> CommResult<Vec<tch::Tensor>> {
+        Ok(self.model().parameters().iter().map(|p| p.detach().copy()).collect())
+    }
+    /// The optimizer step after the (synchronised) backward: for replicated strategies
+    /// `opt.step()` then `opt.zero_grad()`; ZeRO steps its own sharded AdamW and ignores `opt`.
+    fn step(&mut self, opt: &mut tch::nn::Optimizer) -> CommResult<()> {
+        opt.step();
+        opt.zero_grad(); // frees the gradients (set_to_none=True), as PyTorch's default
+        Ok(())
+    }
 
     /// Run `f` without gradient synchronisation (PyTorch's `with ddp.no_sync():`).
     fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R
@@ -111,8 +123,8 @@ pub fn micro_batches(rows: i64, accum: i64) -> Vec<(i64, i64)> {
 
 /// One optimizer step of data-parallel training on this rank's `batch`, cut into `accum`
 /// micro-batches: backward under `no_sync` for all but the last, each loss scaled by its share of
-/// the rows (so the accumulated gradient is that of the batch mean), then `opt.step()` and
-/// `opt.zero_grad()`. Returns this rank's mean loss over the batch.
+/// the rows (so the accumulated gradient is that of the batch mean), then the optimizer step
+/// ([`DataParallel::step`]). Returns this rank's mean loss over the batch.
 pub fn train_step(
     dp: &mut dyn DataParallel,
     opt: &mut tch::nn::Optimizer,
@@ -129,8 +141,7 @@ pub fn train_step(
         dp.set_require_sync(true);
         loss += r? * share;
     }
-    opt.step();
-    opt.zero_grad(); // frees the gradients (set_to_none=True), as PyTorch's default
+    dp.step(opt)?;
     Ok(loss)
 }
 

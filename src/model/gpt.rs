@@ -266,6 +266,15 @@ impl Model for Gpt {
         sd.push(("lm_head.weight".into(), self.params[0].1.shallow_clone()));
         sd
     }
+    /// The head stage also uses wte (the tied lm_head).
+    fn stage_uses(&self) -> Vec<Vec<usize>> {
+        let mut uses = vec![Vec::new(); self.num_stages()];
+        for (i, s) in self.param_stages().into_iter().enumerate() {
+            uses[s].push(i);
+        }
+        uses.last_mut().expect("stages").push(0);
+        uses
+    }
     fn param_stages(&self) -> Vec<usize> {
         let last = self.num_stages() - 1;
         let n = self.params.len();

@@ -50,6 +50,15 @@ pub trait Model: Send {
     /// For each parameter (same order as `named_parameters`), the *first* stage that uses it:
     /// in a staged backward its gradient is final once that stage's backward has run.
     fn param_stages(&self) -> Vec<usize>;
+    /// For each stage, every parameter it uses (a tied parameter appears in each stage that uses
+    /// it). Default: each parameter only in its first-use stage.
+    fn stage_uses(&self) -> Vec<Vec<usize>> {
+        let mut uses = vec![Vec::new(); self.num_stages()];
+        for (i, s) in self.param_stages().into_iter().enumerate() {
+            uses[s].push(i);
+        }
+        uses
+    }
     /// The VarStore holding the parameters (group 0: weight-decayed, group 1: not), for
     /// libtorch's optimizers.
     fn var_store(&self) -> &tch::nn::VarStore;

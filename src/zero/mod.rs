@@ -1,0 +1,458 @@
+//! ZeRO stages 1–3 (DeepSpeed's Zero Redundancy Optimizer); stage 3 is FSDP.
+//!
+//! Parameters are grouped into **units**: one per model stage (for the GPT: one per transformer
+//! block), plus a *root* unit with the parameters of the first and last stages (embeddings,
+//! final LayerNorm — the tied wte is used by both). Each unit is a [`FlatLayout`]: its tensors
+//! flattened into one buffer, padded to a multiple of N and cut into N shards.
+//!
+//! | stage | every rank keeps | after backward | optimizer step |
+//! |---|---|---|---|
+//! | 1 | full params, full grads, ⅟N of AdamW state | all-reduce (avg) the flat grads | AdamW on the own shard, all-gather params |
+//! | 2 | full params, ⅟N of grads and state | reduce-scatter (avg) each unit as its backward ends | same |
+//! | 3 | ⅟N of params, grads and state | same | AdamW on the own shard, nothing to gather |
+//!
+//! Stage 3 materialises a unit only while it is needed: all-gather before its forward, free
+//! after; all-gather again before its backward, free after (the root stays gathered for the whole
+//! step, as FSDP's root does). The next unit's all-gather is started asynchronously before the
+//! current unit computes (prefetch), forward and backward. Parameters keep their identity (the
+//! tensors the model and autograd know); only their data is swapped (`set_data`) between a view
+//! into the gathered buffer and an empty tensor.
+//!
+//! Backward runs stage by stage with `Tensor::run_backward`, which *returns* each stage's
+//! parameter gradients instead of accumulating full-size `.grad` tensors: they go straight into
+//! the unit's flat gradient buffer, which is reduced (and, for stages 2–3, freed) once the
+//! unit's last stage is done. Gradient accumulation: stage 1 accumulates full gradients and
+//! all-reduces once (`no_sync`); stages 2–3 reduce-scatter every micro-batch and accumulate the
+//! shard, as DeepSpeed does, so `no_sync` has nothing to save there.
+
+pub mod adamw;
+pub mod flat;
+
+use crate::comm::{CommError, CommResult, ProcessGroup, ReduceOp, Work};
+use crate::ddp::{DataParallel, DdpStats};
+use crate::model::{Batch, Model};
+use crate::optim::AdamWConfig;
+use adamw::ShardedAdamW;
+use flat::FlatLayout;
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+use tch::{Kind, Tensor};
+
+/// Which ZeRO stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Stage {
+    One,
+    Two,
+    Three,
+}
+
+/// Bytes this rank holds, counted from the tensors it keeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryStats {
+    /// Parameters kept between steps (full for DDP and stages 1–2, the shard for stage 3).
+    pub params: u64,
+    /// Gradients kept for the optimizer step (full for DDP and stage 1, the shard for 2–3).
+    pub grads: u64,
+    /// Optimizer state (AdamW m and v).
+    pub optim: u64,
+    /// Largest amount of transient buffers alive at once (gathered units, flat gradients).
+    pub peak_transient: u64,
+}
+
+impl MemoryStats {
+    /// Model states: params + grads + optimizer.
+    pub fn model_states(&self) -> u64 {
+        self.params + self.grads + self.optim
+    }
+}
+
+struct Unit {
+    params: Vec<usize>,
+    layout: FlatLayout,
+    /// Stages 1–2: the full flat parameters (the model's parameters are views into it).
+    /// Stage 3: the gathered buffer while the unit is materialised.
+    full: Option<Tensor>,
+    /// This rank's shard of the parameters: a view into `full` (1–2) or its own tensor (3).
+    shard: Tensor,
+    /// (shard,) averaged gradient, accumulated over micro-batches until the step.
+    grad_shard: Tensor,
+    /// (padded,) gradient of the current backward (stage 1: kept until the step).
+    grad_full: Option<Tensor>,
+    opt: ShardedAdamW,
+    /// The unit's gradients are final after this stage's backward.
+    done_stage: usize,
+    is_root: bool,
+}
+
+/// A model trained with ZeRO stage 1, 2 or 3 (3 = FSDP).
+pub struct Zero<'a> {
+    pg: &'a ProcessGroup,
+    model: Box<dyn Model + 'a>,
+    params: Vec<Tensor>,
+    units: Vec<Unit>,
+    unit_of: Vec<usize>,
+    stage: Stage,
+    require_sync: bool,
+    stats: DdpStats,
+    transient: u64,
+    peak_transient: u64,
+    /// In-flight all-gathers (stage 3): unit → (buffer, work).
+    pending: Vec<(usize, Tensor, Work)>,
+    /// Time the training thread waited for all-gathers, and how long they ran.
+    pub gather_wait_s: f64,
+    pub gather_s: f64,
+}
+
+fn empty() -> Tensor {
+    Tensor::empty([0], (Kind::Float, tch::Device::Cpu))
+}
+
+impl<'a> Zero<'a> {
+    /// Shard `model` over `pg` for `stage` with AdamW `optim`; rank 0's weights are broadcast first.
+    pub fn new(pg: &'a ProcessGroup, model: Box<dyn Model + 'a>, stage: Stage, optim: AdamWConfig) -> CommResult<Self> {
+        let mut params = model.parameters();
+        tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
+        let stages = model.param_stages();
+        let last = model.num_stages() - 1;
+        let key = |i: usize| if stages[i] == 0 || stages[i] == last { 0 } else { stages[i] };
+        let mut keys: Vec<usize> = (0..params.len()).map(key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let (n, rank) = (pg.world_size(), pg.rank());
+        let mut unit_of = vec![0; params.len()];
+        let mut units = Vec::new();
+        for (u, &k) in keys.iter().enumerate() {
+            let idx: Vec<usize> = (0..params.len()).filter(|&i| key(i) == k).collect();
+            idx.iter().for_each(|&i| unit_of[i] = u);
+            let layout = FlatLayout::new(idx.iter().map(|&i| params[i].size()).collect(), n);
+            let flat = layout.flatten(&idx.iter().map(|&i| params[i].shallow_clone()).collect::<Vec<_>>());
+            let r = layout.shard_range(rank);
+            let (full, shard) = if stage == Stage::Three {
+                tch::no_grad(|| idx.iter().for_each(|&i| params[i].set_data(&empty())));
+                (None, flat.narrow(0, r.start, r.end - r.start).copy())
+            } else {
+                tch::no_grad(|| idx.iter().enumerate().for_each(|(j, &i)| params[i].set_data(&layout.view(&flat, j))));
+                let shard = flat.narrow(0, r.start, r.end - r.start);
+                (Some(flat), shard)
+            };
+            let opt = ShardedAdamW::new(optim, &layout, rank);
+            let done_stage = idx.iter().map(|&i| stages[i]).min().unwrap_or(0);
+            units.push(Unit {
+                grad_shard: Tensor::zeros([layout.shard], (Kind::Float, tch::Device::Cpu)),
+                params: idx,
+                layout,
+                full,
+                shard,
+                grad_full: None,
+                opt,
+                done_stage,
+                is_root: k == 0,
+            });
+        }
+        Ok(Zero {
+            pg,
+            model,
+            params,
+            units,
+            unit_of,
+            stage,
+            require_sync: true,
+            stats: DdpStats::default(),
+            transient: 0,
+            peak_transient: 0,
+            pending: Vec::new(),
+            gather_wait_s: 0.0,
+            gather_s: 0.0,
+        })
+    }
+
+    /// The stage.
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    /// Bytes held now (after a step: what is kept between steps) and the transient peak so far.
+    pub fn memory(&self) -> MemoryStats {
+        let units = &self.units;
+        let sum = |f: &dyn Fn(&Unit) -> i64| units.iter().map(f).sum::<i64>() as u64 * 4;
+        MemoryStats {
+            params: match self.stage {
+                Stage::Three => sum(&|u| u.layout.shard),
+                _ => sum(&|u| u.layout.padded),
+            },
+            grads: match self.stage {
+                Stage::One => sum(&|u| u.layout.padded),
+                _ => sum(&|u| u.layout.shard),
+            },
+            optim: units.iter().map(|u| u.opt.state_bytes()).sum(),
+            peak_transient: self.peak_transient,
+        }
+    }
+
+    fn track(&mut self, delta: i64) {
+        self.transient = (self.transient as i64 + delta).max(0) as u64;
+        self.peak_transient = self.peak_transient.max(self.transient);
+    }
+
+    // ---- stage 3: materialise and release units ----
+
+    fn gather_start(&mut self, u: usize) -> CommResult<()> {
+        if self.stage != Stage::Three || self.units[u].full.is_some() || self.pending.iter().any(|(p, _, _)| *p == u) {
+            return Ok(());
+        }
+        let out = Tensor::empty([self.units[u].layout.padded], (Kind::Float, tch::Device::Cpu));
+        self.track(4 * self.units[u].layout.padded);
+        let w = self.pg.all_gather_async(&out, &self.units[u].shard)?; // (padded,) f32 from N shards
+        self.pending.push((u, out, w));
+        Ok(())
+    }
+
+    fn materialize(&mut self, u: usize) -> CommResult<()> {
+        if self.stage != Stage::Three || self.units[u].full.is_some() {
+            return Ok(());
+        }
+        self.gather_start(u)?;
+        let pos = self.pending.iter().position(|(p, _, _)| *p == u).expect("started above");
+        let (_, out, w) = self.pending.remove(pos);
+        let t0 = Instant::now();
+        let t = w.wait_timed()?;
+        self.gather_wait_s += t0.elapsed().as_secs_f64();
+        self.gather_s += (t.finished - t.started).as_secs_f64();
+        let unit = &mut self.units[u];
+        tch::no_grad(|| {
+            for (j, &i) in unit.params.iter().enumerate() {
+                self.params[i].set_data(&unit.layout.view(&out, j));
+            }
+        });
+        unit.full = Some(out);
+        Ok(())
+    }
+
+    fn release(&mut self, u: usize) {
+        if self.stage != Stage::Three || self.units[u].full.is_none() {
+            return;
+        }
+        let unit = &mut self.units[u];
+        tch::no_grad(|| unit.params.iter().for_each(|&i| self.params[i].set_data(&empty())));
+        unit.full = None;
+        let bytes = 4 * unit.layout.padded;
+        self.track(-bytes);
+    }
+
+    /// The non-root unit of stage `s`, if any.
+    fn block_unit(&self, s: usize, stage_uses: &[Vec<usize>]) -> Option<usize> {
+        stage_uses.get(s)?.iter().map(|&i| self.unit_of[i]).find(|&u| !self.units[u].is_root)
+    }
+
+    fn wait_all(&mut self) -> CommResult<()> {
+        let mut first = None;
+        for (_, _, w) in std::mem::take(&mut self.pending) {
+            if let Err(e) = w.wait() {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+impl DataParallel for Zero<'_> {
+    fn model(&self) -> &dyn Model {
+        &*self.model
+    }
+    fn group(&self) -> &ProcessGroup {
+        self.pg
+    }
+    fn set_require_sync(&mut self, on: bool) {
+        self.require_sync = on;
+    }
+    fn stats(&self) -> DdpStats {
+        self.stats
+    }
+
+    fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
+        let r = self.backward_inner(batch, scale);
+        if r.is_err() {
+            let _ = self.wait_all();
+        }
+        r
+    }
+
+    fn full_parameters(&self) -> CommResult<Vec<Tensor>> {
+        let mut out: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
+        for u in &self.units {
+            let full = match &u.full {
+                Some(f) => f.shallow_clone(),
+                None => {
+                    let mut f = u.layout.zeros();
+                    self.pg.all_gather(&mut f, &u.shard)?;
+                    f
+                }
+            };
+            for (j, &i) in u.params.iter().enumerate() {
+                out[i] = Some(u.layout.view(&full, j).copy());
+            }
+        }
+        Ok(out.into_iter().map(|t| t.expect("every parameter is in a unit")).collect())
+    }
+
+    fn step(&mut self, _opt: &mut tch::nn::Optimizer) -> CommResult<()> {
+        let rank = self.pg.rank();
+        let mut freed = 0;
+        for u in &mut self.units {
+            if let Some(g) = u.grad_full.take() {
+                // Stage 1 kept the full averaged gradient until now.
+                let mut gs = u.grad_shard.shallow_clone();
+                gs.copy_(&g.narrow(0, u.layout.shard_range(rank).start, u.layout.shard));
+                freed += 4 * u.layout.padded;
+            }
+            let mut p = u.shard.shallow_clone();
+            u.opt.update(&mut p, &u.grad_shard);
+            let _ = u.grad_shard.zero_();
+        }
+        self.track(-freed);
+        if self.stage != Stage::Three {
+            // Every rank updated its own shard: all-gather the updated parameters into the full buffers.
+            let mut works = Vec::new();
+            for u in &self.units {
+                let input = u.shard.copy(); // the output buffer contains the shard: gather from a copy
+                let full = u.full.as_ref().expect("stages 1-2 keep full parameters");
+                works.push((self.pg.all_gather_async(full, &input)?, input));
+            }
+            for (w, _) in works {
+                w.wait()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Zero<'_> {
+    /// Wait for one gradient reduction; stages 2-3 add the averaged shard and free the full gradient.
+    fn finish_reduction(&mut self, (u, out, w): (usize, Tensor, Work), apply: bool) -> CommResult<()> {
+        let t0 = Instant::now();
+        let r = w.wait_timed();
+        self.stats.exposed_s += t0.elapsed().as_secs_f64();
+        let t = r?;
+        self.stats.comm_s += (t.finished - t.started).as_secs_f64();
+        self.stats.bytes += (out.numel() * 4) as u64;
+        if apply && self.stage != Stage::One {
+            let _ = self.units[u].grad_shard.g_add_(&out);
+            self.units[u].grad_full = None;
+            let b = 4 * self.units[u].layout.padded;
+            self.track(-b);
+        }
+        Ok(())
+    }
+
+    fn backward_inner(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
+        let n = self.model.num_stages();
+        let stage_uses = self.model.stage_uses();
+        let t0 = Instant::now();
+        // ---- forward, stage by stage, each stage its own graph ----
+        let root = self.units.iter().position(|u| u.is_root);
+        if let Some(r) = root {
+            self.materialize(r)?;
+        }
+        let mut inputs: Vec<Tensor> = Vec::with_capacity(n);
+        let mut outputs: Vec<Tensor> = Vec::with_capacity(n);
+        for s in 0..n {
+            let unit = self.block_unit(s, &stage_uses);
+            if let Some(u) = unit {
+                self.materialize(u)?;
+            }
+            if let Some(next) = self.block_unit(s + 1, &stage_uses) {
+                self.gather_start(next)?; // prefetch: overlaps this stage's compute
+            }
+            let xin = if s == 0 { Tensor::new() } else { outputs[s - 1].detach().set_requires_grad(true) };
+            let y = self.model.stage_forward(s, &xin, batch);
+            inputs.push(xin);
+            outputs.push(y);
+            if let Some(u) = unit {
+                self.release(u);
+            }
+        }
+        let loss = outputs[n - 1].double_value(&[]);
+        // ---- backward, last stage first ----
+        let sync = self.require_sync || self.stage != Stage::One;
+        let mut reductions: Vec<(usize, Tensor, Work)> = Vec::new();
+        let mut g_next = Tensor::new();
+        for s in (0..n).rev() {
+            let unit = self.block_unit(s, &stage_uses);
+            if let Some(u) = unit {
+                self.materialize(u)?;
+            }
+            if s > 0 {
+                if let Some(prev) = self.block_unit(s - 1, &stage_uses) {
+                    self.gather_start(prev)?;
+                }
+            }
+            let out = outputs.pop().expect("one output per stage");
+            let obj = if s == n - 1 { out * scale } else { (out * &g_next).sum(Kind::Float) };
+            let mut wrt: Vec<Tensor> = stage_uses[s].iter().map(|&i| self.params[i].shallow_clone()).collect();
+            let input = inputs.pop().expect("one input per stage");
+            if s > 0 {
+                wrt.push(input.shallow_clone());
+            }
+            let mut grads = Tensor::run_backward(&[obj], &wrt, false, false);
+            if s > 0 {
+                g_next = grads.pop().expect("input gradient");
+            }
+            for (&i, g) in stage_uses[s].iter().zip(&grads) {
+                let u = self.unit_of[i];
+                let j = self.units[u].params.iter().position(|&p| p == i).expect("param in its unit");
+                if self.units[u].grad_full.is_none() {
+                    self.units[u].grad_full = Some(self.units[u].layout.zeros());
+                    let b = 4 * self.units[u].layout.padded;
+                    self.track(b);
+                }
+                let gf = self.units[u].grad_full.as_ref().unwrap();
+                let _ = self.units[u].layout.view(gf, j).g_add_(g);
+            }
+            drop(grads);
+            if let Some(u) = unit {
+                self.release(u);
+            }
+            // Units whose gradients are now final: start their reduction.
+            if sync {
+                for u in 0..self.units.len() {
+                    if self.units[u].done_stage != s {
+                        continue;
+                    }
+                    let Some(gf) = self.units[u].grad_full.as_ref() else { continue };
+                    if self.stage == Stage::One {
+                        let w = self.pg.all_reduce_async(gf, ReduceOp::Avg)?; // (padded,) grads averaged over dp
+                        reductions.push((u, gf.shallow_clone(), w));
+                    } else {
+                        let out = Tensor::empty([self.units[u].layout.shard], (Kind::Float, tch::Device::Cpu));
+                        let w = self.pg.reduce_scatter_async(&out, gf, ReduceOp::Avg)?; // (shard,) of avg grads
+                        reductions.push((u, out, w));
+                    }
+                    // Keep at most two reductions in flight: finishing the older one frees its
+                    // unit's full gradient (stages 2-3), so gradients never pile up to 4Ψ.
+                    if reductions.len() > 2 {
+                        let r = reductions.remove(0);
+                        self.finish_reduction(r, true)?;
+                    }
+                }
+            }
+        }
+        if let Some(r) = root {
+            self.release(r);
+        }
+        self.stats.compute_s += t0.elapsed().as_secs_f64();
+        // ---- wait for the reductions still in flight ----
+        let mut first_err: Option<CommError> = None;
+        for r in reductions {
+            if let Err(e) = self.finish_reduction(r, first_err.is_none()) {
+                first_err.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        if sync {
+            self.stats.syncs += 1;
+        }
+        Ok(loss)
+    }
+}
