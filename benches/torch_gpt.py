@@ -12,7 +12,8 @@ What it is
            every consecutive non-overlapping block-size window of a token file
            (flat little-endian uint16 ids, no header).
     train  tokens/s benchmark of AdamW training, one process ("single") or
-           ``--world-size`` gloo processes with DistributedDataParallel ("ddp").
+           ``--world-size`` gloo processes with DistributedDataParallel ("ddp") or
+           FSDP2 (``fully_shard`` per block, then the root: "fsdp").
 
 How to run (from the repository root)
     .venv/bin/python benches/torch_gpt.py init --out /tmp/gpt.safetensors
@@ -238,6 +239,18 @@ def get_batch(data, B, T, g):
     return x, y
 
 
+def wrap_fsdp2(model: nn.Module) -> nn.Module:
+    """FSDP2: `fully_shard` every transformer block, then the root (embeddings, ln_f, lm_head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     torch.set_num_threads(args.threads)
     data = train_data(args)
@@ -245,7 +258,9 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     model = build_model(args)
     params = num_params(model)
     model.train()
-    if ddp:
+    if ddp and args.strategy == "fsdp":
+        model = wrap_fsdp2(model)
+    elif ddp:
         model = nn.parallel.DistributedDataParallel(model)
     opt = configure_optimizer(model, args.lr)
     g = torch.Generator().manual_seed(args.seed + 1 + rank)  # different rows per rank
@@ -334,7 +349,7 @@ def parse_args(argv=None):
     i.set_defaults(func=cmd_init)
 
     t = sub.add_parser("train", help="tokens/s training benchmark")
-    t.add_argument("--strategy", choices=("single", "ddp"), default="single")
+    t.add_argument("--strategy", choices=("single", "ddp", "fsdp"), default="single")
     t.add_argument("--world-size", type=int, default=1)
     t.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     t.add_argument("--steps", type=int, default=30)

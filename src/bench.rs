@@ -310,3 +310,11 @@ mod tests {
         assert_eq!(model_time(OpKind::Broadcast, Algo::Tree, 8, big, a, b), 3.0 * (a + big * b));
     }
 }
+
+/// This process's peak resident set size in bytes (`VmHWM` of /proc/self/status; Linux), if known.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -76,6 +76,12 @@ pub struct RunSummary {
     pub exposed_comm_s: f64,
     pub hidden_comm_fraction: f64,
     pub ddp: DdpStats,
+    /// Bytes this rank holds (rank 0), counted from its tensors.
+    pub memory: crate::zero::MemoryStats,
+    /// Communication bytes this rank sent over the run, per step.
+    pub bytes_sent_per_step: f64,
+    /// Peak resident set size of rank 0's process (meaningful when ranks are processes).
+    pub peak_rss_bytes: Option<u64>,
 }
 
 impl GptJob {
@@ -106,12 +112,13 @@ impl GptJob {
         let data = self.data.load()?;
         let model = self.build_model()?;
         let params = model.num_params();
-        let mut opt = self.optim.build(&model)?;
-        let mut dp = ctx.prepare_model(Box::new(model))?;
+        let names: Vec<String> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
+        let (mut dp, mut opt) = ctx.prepare(Box::new(model), &self.optim)?;
         let (rank, n) = (ctx.rank(), ctx.world_size());
         let sampler = DistributedSampler::new(self.model.block_size as usize, self.batch_size * n, rank, n, self.seed)?;
         let tokens_per_step = (self.batch_size * n) as f64 * self.model.block_size as f64;
         let (mut step_s, mut losses) = (Vec::new(), Vec::new());
+        let sent0 = ctx.group().stats().bytes_sent;
         for step in 0..self.steps {
             let batch = sampler.batch(&data, step);
             ctx.group().barrier()?;
@@ -127,17 +134,23 @@ impl GptJob {
             }
             ctx.report(json!({"step": step, "loss": loss, "step_s": dt, "tokens_per_s": tokens_per_step / dt}))?;
         }
-        if rank == 0 {
-            if let Some(p) = &self.save {
-                crate::model::save_safetensors(dp.model(), p)?;
+        if let Some(p) = &self.save {
+            // Sharded strategies hold pieces: every rank takes part in gathering the full weights.
+            let full = dp.full_parameters()?;
+            if rank == 0 {
+                let mut sd: Vec<(String, Tensor)> = names.iter().cloned().zip(full).collect();
+                sd.push(("lm_head.weight".into(), sd[0].1.shallow_clone())); // nanoGPT's tied head
+                Tensor::write_safetensors(&sd, p).map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
             }
         }
+        let sent_per_step = (ctx.group().stats().bytes_sent - sent0) as f64 / self.steps as f64;
         let median = crate::bench::median(&mut step_s);
         let st = dp.stats();
         let strategy = ctx.scaling().strategy;
         Ok(RunSummary {
             strategy: format!("{strategy:?}").to_lowercase(),
             variant: (strategy == Strategy::Ddp).then(|| format!("{:?}", ctx.scaling().variant).to_lowercase()),
+            memory: dp.memory(),
             world_size: n,
             params,
             tokens_per_step,
@@ -149,6 +162,8 @@ impl GptJob {
             exposed_comm_s: st.exposed_s,
             hidden_comm_fraction: st.hidden_fraction(),
             ddp: st,
+            bytes_sent_per_step: sent_per_step,
+            peak_rss_bytes: crate::bench::peak_rss_bytes(),
         })
     }
 

@@ -25,6 +25,7 @@ use crate::comm::{Backend, CommConfig, ProcessGroup};
 use crate::ddp::{self, DataParallel, Variant};
 use crate::launch::{is_spawned_child, spawn_with, Launch, SpawnOptions};
 use crate::model::Model;
+use crate::optim::AdamWConfig;
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -39,6 +40,27 @@ pub enum Strategy {
     Single,
     /// Data parallel: full replicas, averaged gradients.
     Ddp,
+    /// ZeRO stage 1: optimizer states sharded.
+    Zero1,
+    /// ZeRO stage 2: optimizer states and gradients sharded.
+    Zero2,
+    /// ZeRO stage 3: optimizer states, gradients and parameters sharded.
+    Zero3,
+    /// Fully sharded data parallel: the same mechanism as ZeRO-3.
+    Fsdp,
+}
+
+impl Strategy {
+    /// The ZeRO stage this strategy runs, if any.
+    pub fn zero_stage(self) -> Option<crate::zero::Stage> {
+        use crate::zero::Stage;
+        match self {
+            Strategy::Zero1 => Some(Stage::One),
+            Strategy::Zero2 => Some(Stage::Two),
+            Strategy::Zero3 | Strategy::Fsdp => Some(Stage::Three),
+            Strategy::Single | Strategy::Ddp => None,
+        }
+    }
 }
 
 /// How many workers and how they talk (Ray Train's `ScalingConfig`, plus the parallel strategy).
@@ -100,11 +122,28 @@ impl<'a> TrainContext<'a> {
         self.scaling
     }
     /// Wrap `model` for the configured strategy (DDP: rank 0's weights are broadcast to all).
+    /// ZeRO and FSDP shard the optimizer too: use [`prepare`](Self::prepare) for them.
     pub fn prepare_model(&self, model: Box<dyn Model + 'a>) -> anyhow::Result<Box<dyn DataParallel + 'a>> {
         Ok(match self.scaling.strategy {
             Strategy::Single => Box::new(ddp::Single::new(self.pg, model)?),
             Strategy::Ddp => ddp::wrap(self.pg, model, self.scaling.variant, self.scaling.bucket_cap_bytes)?,
+            s => anyhow::bail!("{s:?} shards the optimizer: use ctx.prepare(model, &adamw) instead of prepare_model"),
         })
+    }
+    /// Wrap `model` and build its AdamW for the configured strategy (like `deepspeed.initialize`):
+    /// replicated strategies get libtorch's AdamW; ZeRO/FSDP keep a sharded AdamW inside the
+    /// wrapper, which [`DataParallel::step`] runs (the returned optimizer is then not stepped).
+    pub fn prepare(
+        &self,
+        model: Box<dyn Model + 'a>,
+        optim: &AdamWConfig,
+    ) -> anyhow::Result<(Box<dyn DataParallel + 'a>, tch::nn::Optimizer)> {
+        let opt = optim.build(&*model)?;
+        let dp: Box<dyn DataParallel + 'a> = match self.scaling.strategy.zero_stage() {
+            Some(stage) => Box::new(crate::zero::Zero::new(self.pg, model, stage, *optim)?),
+            None => self.prepare_model(model)?,
+        };
+        Ok((dp, opt))
     }
     /// Send a metrics object (anything serialisable to a JSON object) to the driver.
     pub fn report(&mut self, metrics: impl Serialize) -> anyhow::Result<()> {

@@ -46,8 +46,14 @@ pub struct DdpStats {
     /// Seconds the training thread waited for communication after its backward was done (the
     /// part of `comm_s` that was not hidden behind compute).
     pub exposed_s: f64,
-    /// Gradient bytes all-reduced.
+    /// Gradient bytes all-reduced (or reduce-scattered).
     pub bytes: u64,
+    /// Sharded strategies: seconds the parameter all-gathers ran, and the part the training
+    /// thread waited for (the rest was hidden by prefetching).
+    #[serde(default)]
+    pub gather_s: f64,
+    #[serde(default)]
+    pub gather_exposed_s: f64,
 }
 
 impl DdpStats {
@@ -79,6 +85,13 @@ pub trait DataParallel {
     /// for sharded strategies: call it on all ranks).
     fn full_parameters(&self) -> CommResult<Vec<tch::Tensor>> {
         Ok(self.model().parameters().iter().map(|p| p.detach().copy()).collect())
+    }
+    /// Bytes this rank holds in parameters, gradients and optimizer state, from the tensors it
+    /// keeps. Replicated strategies: the full model, its gradients and libtorch AdamW's two
+    /// moments (allocated at the first step).
+    fn memory(&self) -> crate::zero::MemoryStats {
+        let bytes = 4 * self.model().num_params() as u64;
+        crate::zero::MemoryStats { params: bytes, grads: bytes, optim: 2 * bytes, peak_transient: 0 }
     }
     /// The optimizer step after the (synchronised) backward: for replicated strategies
     /// `opt.step()` then `opt.zero_grad()`; ZeRO steps its own sharded AdamW and ignores `opt`.

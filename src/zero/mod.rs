@@ -7,8 +7,8 @@
 //!
 //! | stage | every rank keeps | after backward | optimizer step |
 //! |---|---|---|---|
-//! | 1 | full params, full grads, ⅟N of AdamW state | all-reduce (avg) the flat grads | AdamW on the own shard, all-gather params |
-//! | 2 | full params, ⅟N of grads and state | reduce-scatter (avg) each unit as its backward ends | same |
+//! | 1 | full params, full grads, ⅟N of AdamW state | reduce-scatter (avg) each unit's flat grads | AdamW on the own shard, all-gather params |
+//! | 2 | full params, ⅟N of grads and state | same, and free each unit's full grads at once | same |
 //! | 3 | ⅟N of params, grads and state | same | AdamW on the own shard, nothing to gather |
 //!
 //! Stage 3 materialises a unit only while it is needed: all-gather before its forward, free
@@ -21,9 +21,13 @@
 //! Backward runs stage by stage with `Tensor::run_backward`, which *returns* each stage's
 //! parameter gradients instead of accumulating full-size `.grad` tensors: they go straight into
 //! the unit's flat gradient buffer, which is reduced (and, for stages 2–3, freed) once the
-//! unit's last stage is done. Gradient accumulation: stage 1 accumulates full gradients and
-//! all-reduces once (`no_sync`); stages 2–3 reduce-scatter every micro-batch and accumulate the
-//! shard, as DeepSpeed does, so `no_sync` has nothing to save there.
+//! unit's last stage is done. Gradient accumulation: stage 1 accumulates full local gradients
+//! and reduce-scatters once (`no_sync`); stages 2–3 reduce-scatter every micro-batch and
+//! accumulate the shard, as DeepSpeed does, so `no_sync` has nothing to save there.
+//!
+//! Communication per step and rank (ring, f32): stages 1–2 send 2·(N−1)/N·4Ψ bytes, like DDP
+//! (reduce-scatter + all-gather = all-reduce); stage 3 adds a second all-gather in backward,
+//! 3·(N−1)/N·4Ψ = 1.5× DDP (less the root unit's, which is gathered once per step).
 
 pub mod adamw;
 pub mod flat;
@@ -98,9 +102,6 @@ pub struct Zero<'a> {
     peak_transient: u64,
     /// In-flight all-gathers (stage 3): unit → (buffer, work).
     pending: Vec<(usize, Tensor, Work)>,
-    /// Time the training thread waited for all-gathers, and how long they ran.
-    pub gather_wait_s: f64,
-    pub gather_s: f64,
 }
 
 fn empty() -> Tensor {
@@ -161,32 +162,12 @@ impl<'a> Zero<'a> {
             transient: 0,
             peak_transient: 0,
             pending: Vec::new(),
-            gather_wait_s: 0.0,
-            gather_s: 0.0,
         })
     }
 
     /// The stage.
     pub fn stage(&self) -> Stage {
         self.stage
-    }
-
-    /// Bytes held now (after a step: what is kept between steps) and the transient peak so far.
-    pub fn memory(&self) -> MemoryStats {
-        let units = &self.units;
-        let sum = |f: &dyn Fn(&Unit) -> i64| units.iter().map(f).sum::<i64>() as u64 * 4;
-        MemoryStats {
-            params: match self.stage {
-                Stage::Three => sum(&|u| u.layout.shard),
-                _ => sum(&|u| u.layout.padded),
-            },
-            grads: match self.stage {
-                Stage::One => sum(&|u| u.layout.padded),
-                _ => sum(&|u| u.layout.shard),
-            },
-            optim: units.iter().map(|u| u.opt.state_bytes()).sum(),
-            peak_transient: self.peak_transient,
-        }
     }
 
     fn track(&mut self, delta: i64) {
@@ -216,8 +197,8 @@ impl<'a> Zero<'a> {
         let (_, out, w) = self.pending.remove(pos);
         let t0 = Instant::now();
         let t = w.wait_timed()?;
-        self.gather_wait_s += t0.elapsed().as_secs_f64();
-        self.gather_s += (t.finished - t.started).as_secs_f64();
+        self.stats.gather_exposed_s += t0.elapsed().as_secs_f64();
+        self.stats.gather_s += (t.finished - t.started).as_secs_f64();
         let unit = &mut self.units[u];
         tch::no_grad(|| {
             for (j, &i) in unit.params.iter().enumerate() {
@@ -277,6 +258,24 @@ impl DataParallel for Zero<'_> {
         r
     }
 
+    /// Bytes held now (after a step: what is kept between steps) and the transient peak so far.
+    fn memory(&self) -> MemoryStats {
+        let units = &self.units;
+        let sum = |f: &dyn Fn(&Unit) -> i64| units.iter().map(f).sum::<i64>() as u64 * 4;
+        MemoryStats {
+            params: match self.stage {
+                Stage::Three => sum(&|u| u.layout.shard),
+                _ => sum(&|u| u.layout.padded),
+            },
+            grads: match self.stage {
+                Stage::One => sum(&|u| u.layout.padded),
+                _ => sum(&|u| u.layout.shard),
+            },
+            optim: units.iter().map(|u| u.opt.state_bytes()).sum(),
+            peak_transient: self.peak_transient,
+        }
+    }
+
     fn full_parameters(&self) -> CommResult<Vec<Tensor>> {
         let mut out: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
         for u in &self.units {
@@ -296,14 +295,10 @@ impl DataParallel for Zero<'_> {
     }
 
     fn step(&mut self, _opt: &mut tch::nn::Optimizer) -> CommResult<()> {
-        let rank = self.pg.rank();
         let mut freed = 0;
         for u in &mut self.units {
-            if let Some(g) = u.grad_full.take() {
-                // Stage 1 kept the full averaged gradient until now.
-                let mut gs = u.grad_shard.shallow_clone();
-                gs.copy_(&g.narrow(0, u.layout.shard_range(rank).start, u.layout.shard));
-                freed += 4 * u.layout.padded;
+            if u.grad_full.take().is_some() {
+                freed += 4 * u.layout.padded; // stage 1's full gradient buffer, kept until the step
             }
             let mut p = u.shard.shallow_clone();
             u.opt.update(&mut p, &u.grad_shard);
@@ -335,11 +330,17 @@ impl Zero<'_> {
         let t = r?;
         self.stats.comm_s += (t.finished - t.started).as_secs_f64();
         self.stats.bytes += (out.numel() * 4) as u64;
-        if apply && self.stage != Stage::One {
+        if apply {
             let _ = self.units[u].grad_shard.g_add_(&out);
-            self.units[u].grad_full = None;
-            let b = 4 * self.units[u].layout.padded;
-            self.track(-b);
+            if self.stage == Stage::One {
+                if let Some(g) = self.units[u].grad_full.as_mut() {
+                    let _ = g.zero_(); // the full local gradient buffer stays allocated (ZeRO-1)
+                }
+            } else {
+                self.units[u].grad_full = None; // stages 2-3 keep only the shard
+                let b = 4 * self.units[u].layout.padded;
+                self.track(-b);
+            }
         }
         Ok(())
     }
@@ -419,14 +420,9 @@ impl Zero<'_> {
                         continue;
                     }
                     let Some(gf) = self.units[u].grad_full.as_ref() else { continue };
-                    if self.stage == Stage::One {
-                        let w = self.pg.all_reduce_async(gf, ReduceOp::Avg)?; // (padded,) grads averaged over dp
-                        reductions.push((u, gf.shallow_clone(), w));
-                    } else {
-                        let out = Tensor::empty([self.units[u].layout.shard], (Kind::Float, tch::Device::Cpu));
-                        let w = self.pg.reduce_scatter_async(&out, gf, ReduceOp::Avg)?; // (shard,) of avg grads
-                        reductions.push((u, out, w));
-                    }
+                    let out = Tensor::empty([self.units[u].layout.shard], (Kind::Float, tch::Device::Cpu));
+                    let w = self.pg.reduce_scatter_async(&out, gf, ReduceOp::Avg)?; // (shard,) of grads averaged over dp
+                    reductions.push((u, out, w));
                     // Keep at most two reductions in flight: finishing the older one frees its
                     // unit's full gradient (stages 2-3), so gradients never pile up to 4Ψ.
                     if reductions.len() > 2 {
