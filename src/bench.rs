@@ -318,3 +318,16 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
+
+/// Start a new peak-RSS measurement: give freed heap memory back to the kernel (`malloc_trim`)
+/// and reset the kernel's high-water mark (`echo 5 > /proc/self/clear_refs`), so that
+/// [`peak_rss_bytes`] afterwards reports the peak of what follows (e.g. training steps, not model
+/// construction). Linux only; elsewhere a no-op.
+pub fn reset_peak_rss() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free memory to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}

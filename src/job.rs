@@ -80,7 +80,8 @@ pub struct RunSummary {
     pub memory: crate::zero::MemoryStats,
     /// Communication bytes this rank sent over the run, per step.
     pub bytes_sent_per_step: f64,
-    /// Peak resident set size of rank 0's process (meaningful when ranks are processes).
+    /// Peak resident set size of rank 0's process during the training steps (meaningful when
+    /// ranks are processes).
     pub peak_rss_bytes: Option<u64>,
 }
 
@@ -119,6 +120,8 @@ impl GptJob {
         let tokens_per_step = (self.batch_size * n) as f64 * self.model.block_size as f64;
         let (mut step_s, mut losses) = (Vec::new(), Vec::new());
         let sent0 = ctx.group().stats().bytes_sent;
+        // Peak RSS from here on: the training steps, not the construction of the full model.
+        crate::bench::reset_peak_rss();
         for step in 0..self.steps {
             let batch = sampler.batch(&data, step);
             ctx.group().barrier()?;
@@ -197,4 +200,87 @@ pub fn scaling(
         bucket_cap_bytes,
         ..ScalingConfig::default()
     }
+}
+
+/// One training run described completely, so that a bin can run it in a fresh process of itself
+/// ([`run_isolated`]): every measurement starts from a clean process (memory, threads, ports).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OneRun {
+    pub job: GptJob,
+    pub strategy: Strategy,
+    pub world_size: usize,
+    pub backend: Backend,
+    pub variant: Variant,
+    pub bucket_cap_bytes: usize,
+    /// libtorch intra-op threads per rank.
+    pub threads: Option<i32>,
+}
+
+const RUN_ONE_FLAG: &str = "--run-one";
+
+/// Call first thing in `main` of a bin that uses [`run_isolated`]: if this process was started
+/// to run one configuration, run it, print its summary as JSON and exit.
+pub fn run_one_if_asked() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) != Some(RUN_ONE_FLAG) {
+        return;
+    }
+    let result = (|| -> anyhow::Result<()> {
+        let r: OneRun = serde_json::from_str(args.get(2).map(String::as_str).unwrap_or(""))?;
+        let mut s = scaling(r.strategy, r.world_size, r.backend, r.variant, r.bucket_cap_bytes);
+        s.threads_per_worker = r.threads;
+        let out = r.job.fit(s, false, false)?;
+        println!("{}", serde_json::to_string(&out)?);
+        Ok(())
+    })();
+    match result {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1)
+        }
+    }
+}
+
+/// Run `r` in a fresh process of the current executable (whose `main` calls
+/// [`run_one_if_asked`]) and return rank 0's summary.
+pub fn run_isolated(r: &OneRun) -> anyhow::Result<RunSummary> {
+    use anyhow::Context;
+    let exe = std::env::current_exe()?;
+    let out = std::process::Command::new(exe).arg(RUN_ONE_FLAG).arg(serde_json::to_string(r)?).output()?;
+    anyhow::ensure!(out.status.success(), "run failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().last().unwrap_or_default()).context("parsing a run's summary")
+}
+
+/// Run `benches/torch_gpt.py train` (PyTorch 2.11 from `.venv`) with the same shape, batch,
+/// steps and data; its summary (`tokens_per_s`, …). `strategy`: single, ddp or fsdp.
+pub fn pytorch_train(job: &GptJob, strategy: &str, world_size: usize) -> anyhow::Result<serde_json::Value> {
+    use anyhow::Context;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let py = root.join(".venv/bin/python");
+    anyhow::ensure!(py.exists(), "{} is missing: run `bash .ci/setup`", py.display());
+    let DataSource::File(data) = &job.data else { anyhow::bail!("the PyTorch comparison needs a token file") };
+    let c = job.model;
+    let out = std::process::Command::new(py)
+        .args(["-W", "ignore"])
+        .arg(root.join("benches/torch_gpt.py"))
+        .args(["--n-layer", &c.n_layer.to_string(), "--n-head", &c.n_head.to_string()])
+        .args(["--n-embd", &c.n_embd.to_string(), "--block-size", &c.block_size.to_string()])
+        .args(["--vocab-size", &c.vocab_size.to_string(), "--threads", "1", "train", "--strategy", strategy])
+        .args(["--world-size", &world_size.to_string(), "--batch-size", &job.batch_size.to_string()])
+        .args([
+            "--steps",
+            &job.steps.to_string(),
+            "--warmup",
+            &job.warmup.to_string(),
+            "--lr",
+            &job.optim.lr.to_string(),
+        ])
+        .arg("--data")
+        .arg(data)
+        .output()?;
+    anyhow::ensure!(out.status.success(), "PyTorch run failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default())
+        .context("parsing PyTorch's summary")
 }

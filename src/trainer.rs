@@ -78,6 +78,9 @@ pub struct ScalingConfig {
     pub bucket_cap_bytes: usize,
     /// libtorch intra-op threads per worker (default 1 when several workers share the machine).
     pub threads_per_worker: Option<i32>,
+    /// ZeRO-3/FSDP: free each block's parameters after its forward (see
+    /// [`Zero::reshard_after_forward`](crate::zero::Zero::reshard_after_forward)).
+    pub reshard_after_forward: bool,
     pub comm: CommConfig,
     /// Arguments for re-executed worker processes (tests pass `--exact NAME`); default: ours.
     pub child_args: Option<Vec<String>>,
@@ -94,6 +97,7 @@ impl Default for ScalingConfig {
             variant: Variant::Bucketed,
             bucket_cap_bytes: ddp::DEFAULT_BUCKET_CAP_BYTES,
             threads_per_worker: None,
+            reshard_after_forward: true,
             comm: CommConfig::default(),
             child_args: None,
         }
@@ -140,7 +144,10 @@ impl<'a> TrainContext<'a> {
     ) -> anyhow::Result<(Box<dyn DataParallel + 'a>, tch::nn::Optimizer)> {
         let opt = optim.build(&*model)?;
         let dp: Box<dyn DataParallel + 'a> = match self.scaling.strategy.zero_stage() {
-            Some(stage) => Box::new(crate::zero::Zero::new(self.pg, model, stage, *optim)?),
+            Some(stage) => Box::new(
+                crate::zero::Zero::new(self.pg, model, stage, *optim)?
+                    .reshard_after_forward(self.scaling.reshard_after_forward),
+            ),
             None => self.prepare_model(model)?,
         };
         Ok((dp, opt))

@@ -6,7 +6,7 @@
 //!
 //! Model: the benchmark GPT (4 layers, 4 heads, width 256, block 128, vocab 4096, 4.2 M params),
 //! batch 8 per rank, 1 intra-op thread per rank, the synthetic corpus. Each configuration runs in
-//! a fresh process of this program (`--run-one`), so every run starts its own ranks.
+//! a fresh process of this program (`job::run_isolated`), so every run starts its own ranks.
 //! For each DDP run: median step time, how long the gradient all-reduces ran, how long the
 //! training thread waited for them after backward (exposed), and the hidden fraction.
 
@@ -14,9 +14,12 @@ use anyhow::Context;
 use clap::Parser;
 use serde_json::json;
 use shardlab::ddp::{assign_buckets, Variant};
-use shardlab::job::{self, DataSource, GptJob, RunSummary};
+use shardlab::job::{self, DataSource, GptJob, OneRun};
 use shardlab::prelude::*;
-use std::process::Command;
+
+fn pt(job: &GptJob, strategy: &str, n: usize) -> anyhow::Result<f64> {
+    job::pytorch_train(job, strategy, n)?["tokens_per_s"].as_f64().context("no tokens_per_s in PyTorch's summary")
+}
 
 #[derive(Parser, Debug)]
 #[command(about = "Lesson 05: naive vs bucketed+overlapped DDP, and shardlab vs PyTorch DDP")]
@@ -49,65 +52,11 @@ struct Args {
     small: bool,
     #[arg(long)]
     json: bool,
-    /// Internal: run one configuration (JSON) and print its summary.
-    #[arg(long, hide = true)]
-    run_one: Option<String>,
-}
-
-#[derive(serde::Serialize, serde::Deserialize)]
-struct OneRun {
-    job: GptJob,
-    strategy: Strategy,
-    world_size: usize,
-    backend: Backend,
-    variant: Variant,
-    bucket_cap_bytes: usize,
-}
-
-fn run_one(spec: &str) -> anyhow::Result<()> {
-    let r: OneRun = serde_json::from_str(spec)?;
-    let mut s = job::scaling(r.strategy, r.world_size, r.backend, r.variant, r.bucket_cap_bytes);
-    s.threads_per_worker = Some(1);
-    let out = r.job.fit(s, false, false)?;
-    if !shardlab::launch::is_spawned_child() {
-        println!("{}", serde_json::to_string(&out)?);
-    }
-    Ok(())
-}
-
-fn spawn_one(r: &OneRun) -> anyhow::Result<RunSummary> {
-    let exe = std::env::current_exe()?;
-    let out = Command::new(exe).arg("--run-one").arg(serde_json::to_string(r)?).output()?;
-    anyhow::ensure!(out.status.success(), "run failed: {}", String::from_utf8_lossy(&out.stderr));
-    let text = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(text.lines().last().unwrap_or_default()).context("parsing a run's summary")
-}
-
-fn pytorch(cfg: &GptConfig, strategy: &str, n: usize, a: &Args, data: &std::path::Path) -> anyhow::Result<f64> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let py = root.join(".venv/bin/python");
-    anyhow::ensure!(py.exists(), "{} is missing: run `bash .ci/setup`", py.display());
-    let out = Command::new(py)
-        .args(["-W", "ignore"])
-        .arg(root.join("benches/torch_gpt.py"))
-        .args(["--n-layer", &cfg.n_layer.to_string(), "--n-head", &cfg.n_head.to_string()])
-        .args(["--n-embd", &cfg.n_embd.to_string(), "--block-size", &cfg.block_size.to_string()])
-        .args(["--vocab-size", &cfg.vocab_size.to_string(), "--threads", "1", "train", "--strategy", strategy])
-        .args(["--world-size", &n.to_string(), "--batch-size", "8", "--steps", &a.steps.to_string()])
-        .args(["--warmup", &a.warmup.to_string(), "--data"])
-        .arg(data)
-        .output()?;
-    anyhow::ensure!(out.status.success(), "PyTorch run failed: {}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default())?;
-    v["tokens_per_s"].as_f64().context("no tokens_per_s in PyTorch's summary")
 }
 
 fn main() -> anyhow::Result<()> {
+    job::run_one_if_asked();
     let a = Args::parse();
-    if let Some(spec) = &a.run_one {
-        return run_one(spec);
-    }
     anyhow::ensure!(a.world_size >= 1 && a.steps > a.warmup, "need --world-size ≥ 1 and --steps > --warmup");
     let cfg = if a.small {
         GptConfig { vocab_size: 4096, block_size: 128, n_layer: 2, n_head: 4, n_embd: 128 }
@@ -136,6 +85,7 @@ fn main() -> anyhow::Result<()> {
         backend: a.backend,
         variant,
         bucket_cap_bytes: cap,
+        threads: Some(1),
     };
     let sizes: Vec<usize> = cfg.param_shapes().iter().map(|(_, s)| 4 * s.iter().product::<i64>() as usize).collect();
     let mut rows = Vec::new();
@@ -166,7 +116,7 @@ fn main() -> anyhow::Result<()> {
     for (variant, mb) in configs {
         let cap = (mb * 1024.0 * 1024.0) as usize;
         let buckets = if variant == Variant::Naive { sizes.len() } else { assign_buckets(&sizes, cap.max(1)).len() };
-        let s = spawn_one(&one(Strategy::Ddp, a.world_size, variant, cap))?;
+        let s = job::run_isolated(&one(Strategy::Ddp, a.world_size, variant, cap))?;
         let per = |x: f64| 1e3 * x / a.steps as f64;
         let row = json!({"variant": format!("{variant:?}").to_lowercase(), "bucket_mb": mb, "messages": buckets,
             "median_step_s": s.median_step_s, "tokens_per_s": s.tokens_per_s, "comm_s": s.comm_s,
@@ -192,10 +142,10 @@ fn main() -> anyhow::Result<()> {
         let cap = (a.compare_bucket_mb * 1024.0 * 1024.0) as usize;
         let mut m: [Vec<f64>; 4] = Default::default();
         for _ in 0..a.repeats {
-            m[0].push(spawn_one(&one(Strategy::Single, 1, Variant::Bucketed, cap))?.tokens_per_s);
-            m[1].push(pytorch(&cfg, "single", 1, &a, &data_file)?);
-            m[2].push(spawn_one(&one(Strategy::Ddp, a.world_size, Variant::Bucketed, cap))?.tokens_per_s);
-            m[3].push(pytorch(&cfg, "ddp", a.world_size, &a, &data_file)?);
+            m[0].push(job::run_isolated(&one(Strategy::Single, 1, Variant::Bucketed, cap))?.tokens_per_s);
+            m[1].push(pt(&job(a.steps), "single", 1)?);
+            m[2].push(job::run_isolated(&one(Strategy::Ddp, a.world_size, Variant::Bucketed, cap))?.tokens_per_s);
+            m[3].push(pt(&job(a.steps), "ddp", a.world_size)?);
         }
         let med: Vec<f64> = m.iter_mut().map(|v| shardlab::bench::median(v)).collect();
         let cmp = json!({"compare": "pytorch", "repeats": a.repeats, "world_size": a.world_size,

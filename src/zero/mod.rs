@@ -13,7 +13,9 @@
 //!
 //! Stage 3 materialises a unit only while it is needed: all-gather before its forward, free
 //! after; all-gather again before its backward, free after (the root stays gathered for the whole
-//! step, as FSDP's root does). The next unit's all-gather is started asynchronously before the
+//! step, as FSDP's root does). libtorch's autograd keeps views of the gathered weights in its saved
+//! tensors, so a freed unit would stay alive through its graph; stage 3 therefore runs a block's
+//! forward without a graph and recomputes it in backward (see [`Zero::reshard_after_forward`]). The next unit's all-gather is started asynchronously before the
 //! current unit computes (prefetch), forward and backward. Parameters keep their identity (the
 //! tensors the model and autograd know); only their data is swapped (`set_data`) between a view
 //! into the gathered buffer and an empty tensor.
@@ -102,6 +104,9 @@ pub struct Zero<'a> {
     peak_transient: u64,
     /// In-flight all-gathers (stage 3): unit → (buffer, work).
     pending: Vec<(usize, Tensor, Work)>,
+    /// Stage 3: free each block unit right after its forward (and recompute the block in
+    /// backward) instead of keeping it gathered until its backward.
+    reshard_after_forward: bool,
 }
 
 fn empty() -> Tensor {
@@ -162,7 +167,21 @@ impl<'a> Zero<'a> {
             transient: 0,
             peak_transient: 0,
             pending: Vec::new(),
+            reshard_after_forward: true,
         })
+    }
+
+    /// Stage 3 only, PyTorch FSDP2's option of the same name. `true` (default): a block unit is
+    /// freed right after its forward and gathered again for its backward — parameters are
+    /// sharded for the whole step, at the price of a second all-gather and, because libtorch's
+    /// autograd keeps views of the gathered weights alive in its saved tensors (FSDP frees them
+    /// by resizing the storage, which tch cannot), of recomputing the block's forward in
+    /// backward. `false`: gathered units stay until their backward; no recompute, one all-gather
+    /// per unit per step (DDP's traffic), the full parameters alive between a unit's forward and
+    /// its backward.
+    pub fn reshard_after_forward(mut self, on: bool) -> Self {
+        self.reshard_after_forward = on;
+        self
     }
 
     /// The stage.
@@ -365,10 +384,17 @@ impl Zero<'_> {
                 self.gather_start(next)?; // prefetch: overlaps this stage's compute
             }
             let xin = if s == 0 { Tensor::new() } else { outputs[s - 1].detach().set_requires_grad(true) };
-            let y = self.model.stage_forward(s, &xin, batch);
+            let recompute = unit.is_some() && self.reshard_after_forward;
+            let y = if recompute {
+                // Resharding after forward: keep no graph (its saved views would pin the gathered
+                // buffer), only the stage's input; backward recomputes the stage.
+                tch::no_grad(|| self.model.stage_forward(s, &xin, batch))
+            } else {
+                self.model.stage_forward(s, &xin, batch)
+            };
             inputs.push(xin);
             outputs.push(y);
-            if let Some(u) = unit {
+            if let (Some(u), true) = (unit, recompute) {
                 self.release(u);
             }
         }
@@ -387,10 +413,13 @@ impl Zero<'_> {
                     self.gather_start(prev)?;
                 }
             }
-            let out = outputs.pop().expect("one output per stage");
+            let mut out = outputs.pop().expect("one output per stage");
+            let input = inputs.pop().expect("one input per stage");
+            if unit.is_some() && self.reshard_after_forward {
+                out = self.model.stage_forward(s, &input, batch); // recompute with the re-gathered unit
+            }
             let obj = if s == n - 1 { out * scale } else { (out * &g_next).sum(Kind::Float) };
             let mut wrt: Vec<Tensor> = stage_uses[s].iter().map(|&i| self.params[i].shallow_clone()).collect();
-            let input = inputs.pop().expect("one input per stage");
             if s > 0 {
                 wrt.push(input.shallow_clone());
             }

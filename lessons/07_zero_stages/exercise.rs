@@ -1,0 +1,41 @@
+//! Lesson 07 — ZeRO stages 1/2/3: your exercises.
+//! Replace each `todo!()`; check your work with `cargo grade 07`. Hints are in this lesson's README.
+#![allow(unused_variables, unused_imports)]
+
+use shardlab::prelude::*;
+
+/// Exercise 1 — the ZeRO paper's per-device model-state bytes for `params` parameters on `dp`
+/// devices, 16-bit weights and gradients (2 bytes each) and `k` bytes of optimizer state per
+/// parameter. `stage` 0 is plain data parallelism, 1–3 the ZeRO stages.
+pub fn zero_bytes_per_device(params: f64, dp: f64, k: f64, stage: u8) -> f64 {
+    // TODO: stage 0: (2+2+k)Ψ; stage 1: 2Ψ + 2Ψ + kΨ/N; stage 2: 2Ψ + (2+k)Ψ/N; stage 3: (2+2+k)Ψ/N.
+    todo!()
+}
+
+/// Exercise 2 — one AdamW step (step number `t`, counting from 1) on a shard: parameters `p`,
+/// gradient `g`, moments `m` and `v`, all 1-D and updated in place; `wd` is the weight decay of
+/// every element (0 where not decayed). Same arithmetic as `torch.optim.AdamW`.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_shard_step(
+    p: &mut Tensor,
+    g: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    wd: &Tensor,
+    t: i32,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+) {
+    // TODO: decoupled weight decay p ← p·(1 − lr·wd); m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²;
+    // p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + eps). In place, inside tch::no_grad.
+    todo!()
+}
+
+/// Exercise 3 — the end of a ZeRO-1/2 step: every rank has updated its own shard (`shard`, its
+/// slice of the padded flat parameters); put everyone's updated shards into `flat` (the full
+/// flat parameters, same on every rank afterwards).
+pub fn all_gather_params(pg: &ProcessGroup, flat: &mut Tensor, shard: &Tensor) -> CommResult<()> {
+    // TODO: all-gather the shards into flat. The shard is a view into flat: gather from a copy.
+    todo!()
+}
