@@ -148,6 +148,12 @@ impl DistributedSampler {
     }
     /// The global batch's window offsets for `step` (the same on every rank).
     pub fn global_offsets(&self, data: &Tokens, step: u64) -> Vec<usize> {
+        assert!(
+            data.len() > self.seq_len,
+            "{} tokens cannot fill a window of {} plus its target (check the data with Tokens::check)",
+            data.len(),
+            self.seq_len
+        );
         let span = (data.len() - self.seq_len) as u64; // offsets 0..=len−T−1
         let mut rng = Rng::new(self.seed ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         (0..self.global_batch).map(|_| rng.below(span) as usize).collect()

@@ -18,8 +18,10 @@ fn corpus() -> Tokens {
     synthetic_corpus(4000, 7)
 }
 
+/// eps 1e-6: a few gradient elements are zero up to rounding (the attention key biases), and
+/// Adam would turn two correct implementations' different rounding noise there into lr-sized steps.
 fn opt_cfg() -> AdamWConfig {
-    AdamWConfig { lr: 3e-3, ..AdamWConfig::default() }
+    AdamWConfig { lr: 3e-3, eps: 1e-6, ..AdamWConfig::default() }
 }
 
 fn flat(model: &dyn Model) -> Vec<f32> {
@@ -176,4 +178,42 @@ fn bucket_assignment_is_reverse_and_capped() {
     assert_eq!(b, vec![vec![5, 4], vec![3], vec![2], vec![1, 0]]);
     assert_eq!(ddp::assign_buckets(&[], 8), Vec::<Vec<usize>>::new());
     assert_eq!(ddp::assign_buckets(&[1, 1, 1], 100), vec![vec![2, 1, 0]]);
+}
+
+/// With SGD the update is proportional to the gradient, so a wrong average (a missing ÷N) or a
+/// wrong accumulation scale changes the parameters (AdamW would cancel a constant factor).
+#[test]
+fn sgd_steps_match_one_process_for_both_variants_and_uneven_accumulation() {
+    use tch::nn::OptimizerConfig;
+    let global = 10; // 5 rows per rank on 2 ranks; accumulation 3 cuts them 1 + 2 + 2
+    let reference = {
+        let data = corpus();
+        let m = Gpt::new(GptConfig::tiny(), SEED).unwrap();
+        let mut opt = tch::nn::Sgd::default().build(m.var_store(), 0.5).unwrap();
+        for step in 0..STEPS {
+            m.loss(&DistributedSampler::new(16, global, 0, 1, 1).unwrap().batch(&data, step)).backward();
+            opt.step();
+            opt.zero_grad();
+        }
+        flat(&m)
+    };
+    for (variant, accum) in [(Variant::Naive, 1), (Variant::Naive, 3), (Variant::Bucketed, 1), (Variant::Bucketed, 3)] {
+        let out = spawn(2, Backend::Local, move |pg| {
+            let data = corpus();
+            let m = Gpt::new(GptConfig::tiny(), SEED + pg.rank() as u64)?;
+            let mut opt = tch::nn::Sgd::default().build(m.var_store(), 0.5)?;
+            let mut dp = ddp::wrap(pg, Box::new(m), variant, 16 * 1024)?;
+            let s = DistributedSampler::new(16, global, pg.rank(), 2, 1)?;
+            for step in 0..STEPS {
+                ddp::train_step(&mut *dp, &mut opt, &s.batch(&data, step), accum)?;
+            }
+            Ok(flat(dp.model()))
+        })
+        .unwrap();
+        for p in out {
+            assert_eq!(p.len(), reference.len());
+            let worst = p.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-5, "{variant:?} accum={accum}: SGD parameters differ from one process by {worst}");
+        }
+    }
 }

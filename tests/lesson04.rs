@@ -111,7 +111,7 @@ fn flat(m: &dyn Model) -> Vec<f32> {
 
 fn reference_gpt() -> Vec<f32> {
     let m = Gpt::new(GptConfig::tiny(), 1).unwrap();
-    let mut opt = AdamWConfig { lr: 3e-3, ..AdamWConfig::default() }.build(&m).unwrap();
+    let mut opt = AdamWConfig { lr: 3e-3, eps: 1e-6, ..AdamWConfig::default() }.build(&m).unwrap();
     for s in 0..STEPS {
         m.loss(&global_batch(s)).backward();
         opt.step();
@@ -129,7 +129,7 @@ fn ex4_ddp_matches_one_process_on_the_concatenated_batch() {
             let out = spawn_with(opts, |pg| {
                 // Different initial weights per rank: sync_initial_weights must fix that.
                 let m = Gpt::new(GptConfig::tiny(), 1 + 10 * pg.rank() as u64)?;
-                let mut opt = AdamWConfig { lr: 3e-3, ..AdamWConfig::default() }.build(&m)?;
+                let mut opt = AdamWConfig { lr: 3e-3, eps: 1e-6, ..AdamWConfig::default() }.build(&m)?;
                 sync_initial_weights(pg, &mut m.parameters())?;
                 let mut losses = Vec::new();
                 for s in 0..STEPS {

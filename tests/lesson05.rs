@@ -45,47 +45,71 @@ fn ex2_a_bucket_is_ready_after_its_earliest_stage() {
     let m = Gpt::new(GptConfig::tiny(), 0).unwrap();
     let stages = m.param_stages();
     assert_eq!(bucket_ready_stage(&[27, 26], &stages), 3, "ln_f only: ready after the head");
-    assert_eq!(bucket_ready_stage(&[25, 14, 13], &stages), 1, "block 1's last params and block 0's first");
+    assert_eq!(bucket_ready_stage(&[25, 14, 13], &stages), 1, "block 1's last params (25, 14) and block 0's last (13)");
     assert_eq!(bucket_ready_stage(&[3, 2, 1, 0], &stages), 0, "wte (also the lm_head) waits for the embeddings");
     assert_eq!(bucket_ready_stage(&[5], &[9, 9, 9, 9, 9, 4]), 4);
 }
 
-fn run(pg: &ProcessGroup, accum: i64, cap: usize) -> anyhow::Result<(Vec<f32>, u64, Vec<f64>)> {
-    let cfg = GptConfig::tiny();
+/// SGD (not AdamW, which cancels a constant gradient factor), so a wrong loss scale shows.
+fn sgd(model: &Gpt) -> tch::nn::Optimizer {
+    use tch::nn::OptimizerConfig;
+    tch::nn::Sgd::default().build(model.var_store(), 0.5).unwrap()
+}
+
+fn flat(m: &dyn Model) -> Vec<f32> {
+    let all = Tensor::cat(&m.parameters().iter().map(|p| p.detach().view([-1])).collect::<Vec<_>>(), 0);
+    Vec::<f32>::try_from(&all).unwrap()
+}
+
+/// Reference: one process, the whole global batch, plain backward, no accumulation.
+fn reference(global: usize) -> (Vec<f32>, Vec<f64>) {
     let data = synthetic_corpus(4000, 7);
-    let model = Gpt::new(cfg, 1)?;
-    let mut opt = AdamWConfig { lr: 3e-3, ..AdamWConfig::default() }.build(&model)?;
-    let mut dp = ddp::wrap(pg, Box::new(model), Variant::Bucketed, cap)?;
-    let sampler = DistributedSampler::new(16, 12, pg.rank(), pg.world_size(), 3)?;
+    let m = Gpt::new(GptConfig::tiny(), 1).unwrap();
+    let mut opt = sgd(&m);
+    let mut losses = vec![];
+    for step in 0..3 {
+        let b = DistributedSampler::new(16, global, 0, 1, 3).unwrap().batch(&data, step);
+        let loss = m.loss(&b);
+        losses.push(loss.double_value(&[]));
+        loss.backward();
+        opt.step();
+        opt.zero_grad();
+    }
+    (flat(&m), losses)
+}
+
+fn run(pg: &ProcessGroup, global: usize, accum: i64) -> anyhow::Result<(Vec<f32>, u64, Vec<f64>)> {
+    let data = synthetic_corpus(4000, 7);
+    let model = Gpt::new(GptConfig::tiny(), 1)?;
+    let mut opt = sgd(&model);
+    let mut dp = ddp::wrap(pg, Box::new(model), Variant::Bucketed, 8 * 1024)?;
+    let sampler = DistributedSampler::new(16, global, pg.rank(), pg.world_size(), 3)?;
     let mut losses = vec![];
     for step in 0..3 {
         losses.push(accumulate_step(&mut *dp, &mut opt, &sampler.batch(&data, step), accum)?);
     }
-    let flat = Tensor::cat(&dp.model().parameters().iter().map(|p| p.detach().view([-1])).collect::<Vec<_>>(), 0);
-    Ok((Vec::<f32>::try_from(&flat)?, dp.stats().syncs, losses))
+    Ok((flat(dp.model()), dp.stats().syncs, losses))
 }
 
 #[test]
 fn ex3_accumulation_matches_one_big_batch_and_syncs_once_per_step() {
-    // Reference: the same 3 steps on one rank without accumulation (= one process, whole batch).
-    let reference = spawn(1, Backend::Local, |pg| run(pg, 1, 1 << 30)).unwrap().remove(0);
-    for (n, accum) in [(1usize, 4i64), (2, 3), (3, 2), (4, 3)] {
+    let init = flat(&Gpt::new(GptConfig::tiny(), 1).unwrap());
+    // (ranks, global batch, accumulation): uneven micro-batches included (5 rows in 2 → 2 + 3).
+    for (n, global, accum) in [(1usize, 12usize, 4i64), (2, 10, 2), (3, 12, 2), (4, 12, 3)] {
+        let (want, want_losses) = reference(global);
         for opts in [SpawnOptions::new(n, Backend::Local), SpawnOptions::new(n, Backend::Tcp).launch(Launch::Threads)] {
             let backend = opts.backend;
-            let out = spawn_with(opts, move |pg| run(pg, accum, 8 * 1024)).unwrap();
+            let out = spawn_with(opts, move |pg| run(pg, global, accum)).unwrap();
             for (rank, (params, syncs, losses)) in out.iter().enumerate() {
-                let worst = params.iter().zip(&reference.0).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                assert!(worst < 2e-5, "{backend:?} n={n} accum={accum} rank {rank}: parameters differ by {worst}");
-                assert_eq!(
-                    *syncs, 3,
-                    "{backend:?} n={n} accum={accum}: gradients must be all-reduced once per step, not per micro-batch"
-                );
+                let what = format!("{backend:?} n={n} global={global} accum={accum} rank {rank}");
+                let moved = params.iter().zip(&init).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(moved > 1e-3, "{what}: the parameters did not change (no optimizer step?)");
+                let worst = params.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst < 1e-5, "{what}: parameters differ from one process on the whole batch by {worst} (loss scaling? zero_grad?)");
+                assert_eq!(*syncs, 3, "{what}: gradients must be all-reduced once per step, not per micro-batch");
                 if n == 1 {
-                    for (a, b) in losses.iter().zip(&reference.2) {
-                        assert!(
-                            (a - b).abs() < 1e-5,
-                            "accum={accum}: the returned loss must be the batch mean ({a} vs {b})"
-                        );
+                    for (a, b) in losses.iter().zip(&want_losses) {
+                        assert!((a - b).abs() < 1e-5, "{what}: the returned loss must be the batch mean ({a} vs {b})");
                     }
                 }
             }

@@ -48,9 +48,12 @@ fn single_process() -> Vec<f32> {
 enum Strat {
     Ddp,
     Zero(Stage),
+    /// ZeRO-3 keeping gathered units from forward to backward (no recompute).
+    Zero3NoReshard,
 }
 
-const STRATS: [Strat; 4] = [Strat::Ddp, Strat::Zero(Stage::One), Strat::Zero(Stage::Two), Strat::Zero(Stage::Three)];
+const STRATS: [Strat; 5] =
+    [Strat::Ddp, Strat::Zero(Stage::One), Strat::Zero(Stage::Two), Strat::Zero(Stage::Three), Strat::Zero3NoReshard];
 
 /// Run every strategy on this rank (accumulation 2 for stage 1: the no_sync path).
 fn run_all(pg: &ProcessGroup) -> anyhow::Result<Vec<Vec<f32>>> {
@@ -63,6 +66,9 @@ fn run_all(pg: &ProcessGroup) -> anyhow::Result<Vec<Vec<f32>>> {
             Strat::Ddp => (ddp::wrap(pg, Box::new(model), Variant::Bucketed, 16 * 1024)?, 1),
             Strat::Zero(st) => {
                 (Box::new(Zero::new(pg, Box::new(model), st, opt_cfg())?), if st == Stage::One { 2 } else { 1 })
+            }
+            Strat::Zero3NoReshard => {
+                (Box::new(Zero::new(pg, Box::new(model), Stage::Three, opt_cfg())?.reshard_after_forward(false)), 2)
             }
         };
         let s = DistributedSampler::new(16, GLOBAL, pg.rank(), pg.world_size(), 2)?;

@@ -32,6 +32,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.world_size >= 1, "--world-size must be at least 1");
+    anyhow::ensure!(args.steps >= 2, "--steps must be at least 2");
     anyhow::ensure!(
         args.global_batch % args.world_size == 0,
         "--global-batch ({}) must be a multiple of --world-size ({})",
@@ -48,7 +49,7 @@ fn main() -> anyhow::Result<()> {
         batch_size: args.global_batch / n,
         accum: 1,
         steps: args.steps,
-        warmup: 1.min(args.steps - 1),
+        warmup: 1.min(args.steps.saturating_sub(1)),
         optim: AdamWConfig { lr: 3e-3, ..AdamWConfig::default() },
         data: DataSource::Synthetic { tokens: 200_000, seed: 1 },
         seed: 1,

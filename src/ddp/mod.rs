@@ -101,7 +101,9 @@ pub trait DataParallel {
         Ok(())
     }
 
-    /// Run `f` without gradient synchronisation (PyTorch's `with ddp.no_sync():`).
+    /// Run `f` without gradient synchronisation (PyTorch's `with ddp.no_sync():`), on a concrete
+    /// wrapper type; through a `Box<dyn DataParallel>` call `set_require_sync(false)` and, before
+    /// the last micro-batch, `set_require_sync(true)` (what [`train_step`] does).
     fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R
     where
         Self: Sized,
@@ -145,6 +147,11 @@ pub fn train_step(
     accum: i64,
 ) -> CommResult<f64> {
     let rows = batch.len();
+    if accum < 1 || accum > rows {
+        return Err(crate::comm::CommError::InvalidArgument(format!(
+            "gradient accumulation over {accum} micro-batches needs 1..={rows} (the rows of this rank's batch)"
+        )));
+    }
     let mut loss = 0.0;
     let parts = micro_batches(rows, accum);
     for (i, &(lo, hi)) in parts.iter().enumerate() {

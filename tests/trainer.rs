@@ -1,0 +1,82 @@
+//! The Trainer end to end: workers as threads and as processes, metrics streamed to the driver,
+//! every strategy through `ctx.prepare`, and configuration errors refused before anything starts.
+
+use shardlab::data::{synthetic_corpus, DistributedSampler};
+use shardlab::ddp;
+use shardlab::prelude::*;
+
+fn fit(scaling: ScalingConfig) -> anyhow::Result<shardlab::trainer::FitResult<Vec<f64>>> {
+    Trainer::new(scaling).fit(|ctx| {
+        let data = synthetic_corpus(4000, 7);
+        let model = Gpt::new(GptConfig::tiny(), 1)?;
+        let (mut dp, mut opt) = ctx.prepare(Box::new(model), &AdamWConfig::default())?;
+        let n = ctx.world_size();
+        let sampler = DistributedSampler::new(16, 4 * n, ctx.rank(), n, 0)?;
+        let mut losses = Vec::new();
+        for step in 0..4u64 {
+            let local = ddp::train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), 1)?;
+            let mut l = Tensor::from_slice(&[local]);
+            ctx.group().all_reduce(&mut l, ReduceOp::Avg)?;
+            losses.push(l.double_value(&[0]));
+            ctx.report(json!({"step": step, "loss": losses[step as usize]}))?;
+        }
+        Ok(losses)
+    })
+}
+
+fn check(f: shardlab::trainer::FitResult<Vec<f64>>, what: &str) {
+    assert_eq!(f.reports.len(), 4, "{what}: rank 0 reported 4 times: {:?}", f.reports);
+    for (i, r) in f.reports.iter().enumerate() {
+        assert_eq!(r["step"].as_u64(), Some(i as u64), "{what}: reports arrive in order");
+        assert_eq!(r["loss"].as_f64(), Some(f.results[0][i]), "{what}: the report carries rank 0's value");
+    }
+    assert!(f.results.iter().all(|l| l == &f.results[0]), "{what}: every rank saw the same global losses");
+}
+
+#[test]
+fn every_strategy_through_the_trainer_on_threads() {
+    let mut finals = Vec::new();
+    for strategy in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3, Strategy::Fsdp] {
+        let s = ScalingConfig { num_workers: 2, strategy, ..ScalingConfig::default() };
+        let f = fit(s).unwrap();
+        finals.push(*f.results[0].last().unwrap());
+        check(f, &format!("{strategy:?}"));
+    }
+    // Same training whatever the strategy (AdamW over 4 steps; float tolerance).
+    assert!(finals.iter().all(|l| (l - finals[0]).abs() < 1e-4), "final losses differ by strategy: {finals:?}");
+}
+
+#[test]
+fn processes_stream_their_reports() {
+    let s = ScalingConfig {
+        num_workers: 2,
+        backend: Backend::Tcp,
+        child_args: Some(vec![
+            "--exact".into(),
+            "processes_stream_their_reports".into(),
+            "--nocapture".into(),
+            "--test-threads=1".into(),
+        ]),
+        ..ScalingConfig::default()
+    };
+    check(fit(s).unwrap(), "tcp processes");
+}
+
+#[test]
+fn bad_configurations_are_refused() {
+    let gpu = ScalingConfig { use_gpu: true, ..ScalingConfig::default() };
+    assert!(fit(gpu).unwrap_err().to_string().contains("NCCL"));
+    let none = ScalingConfig { num_workers: 0, ..ScalingConfig::default() };
+    assert!(fit(none).unwrap_err().to_string().contains("at least 1"));
+    let single = ScalingConfig { num_workers: 2, strategy: Strategy::Single, ..ScalingConfig::default() };
+    assert!(fit(single).unwrap_err().to_string().contains("one worker"));
+    // prepare_model cannot build a sharded optimizer: a clear error on every rank.
+    let e = Trainer::new(ScalingConfig { num_workers: 2, strategy: Strategy::Zero3, ..ScalingConfig::default() })
+        .fit(|ctx| {
+            ctx.prepare_model(Box::new(Gpt::new(GptConfig::tiny(), 0)?))?;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 0") && e.contains("rank 1") && e.contains("ctx.prepare"), "{e}");
+}
