@@ -121,9 +121,9 @@ fn set_threads(opts: &SpawnOptions, ranks_here: usize) {
 /// Make glibc's malloc keep freed memory for reuse instead of returning every large block to the
 /// kernel (the default for blocks over 128 KiB–32 MiB): a training step allocates and frees the
 /// same activation and gradient tensors every step, and with the default each reallocation is
-/// fresh pages that the kernel must fault in and zero (about 13 000 page faults per step for the
-/// benchmark GPT; 2.6× fewer with this setting). The process's memory then stays at its peak, as with PyTorch's caching
-/// allocators. Set `SHARDLAB_MALLOC_DEFAULT=1` to keep glibc's defaults. Called by every rank.
+/// fresh pages that the kernel must fault in and zero. The process's memory then stays at its
+/// peak, as with PyTorch's caching allocators. Set `SHARDLAB_MALLOC_DEFAULT=1` to keep glibc's
+/// defaults. Called by every rank.
 pub fn keep_freed_memory() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
