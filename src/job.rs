@@ -113,7 +113,6 @@ impl GptJob {
         let data = self.data.load()?;
         let model = self.build_model()?;
         let params = model.num_params();
-        let names: Vec<String> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
         let (mut dp, mut opt) = ctx.prepare(Box::new(model), &self.optim)?;
         let (rank, n) = (ctx.rank(), ctx.world_size());
         let sampler = DistributedSampler::new(self.model.block_size as usize, self.batch_size * n, rank, n, self.seed)?;
@@ -141,9 +140,7 @@ impl GptJob {
             // Sharded strategies hold pieces: every rank takes part in gathering the full weights.
             let full = dp.full_parameters()?;
             if rank == 0 {
-                let mut sd: Vec<(String, Tensor)> = names.iter().cloned().zip(full).collect();
-                sd.push(("lm_head.weight".into(), sd[0].1.shallow_clone())); // nanoGPT's tied head
-                Tensor::write_safetensors(&sd, p).map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
+                crate::model::write_state_dict(dp.model().state_dict_of(full), p)?;
             }
         }
         let sent_per_step = (ctx.group().stats().bytes_sent - sent0) as f64 / self.steps as f64;
@@ -283,4 +280,43 @@ pub fn pytorch_train(job: &GptJob, strategy: &str, world_size: usize) -> anyhow:
     anyhow::ensure!(out.status.success(), "PyTorch run failed: {}", String::from_utf8_lossy(&out.stderr).trim());
     serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default())
         .context("parsing PyTorch's summary")
+}
+
+impl GptJob {
+    /// The speed-comparison job of lessons 05–06: batch 8 per rank, no accumulation, default
+    /// AdamW, seed 1, reading `data` (a token file PyTorch's reference reads too).
+    pub fn benchmark(model: GptConfig, data: PathBuf, steps: u64, warmup: u64) -> Self {
+        GptJob {
+            model,
+            batch_size: 8,
+            accum: 1,
+            steps,
+            warmup,
+            optim: AdamWConfig::default(),
+            data: DataSource::File(data),
+            seed: 1,
+            init: None,
+            save: None,
+        }
+    }
+}
+
+/// A synthetic-corpus token file in the temp folder, removed when dropped (also on errors).
+pub struct TempCorpus {
+    pub path: PathBuf,
+}
+
+impl TempCorpus {
+    /// Write `tokens` tokens of the synthetic corpus (seed 1) to a file named after `tag` and this process.
+    pub fn new(tag: &str, tokens: usize) -> anyhow::Result<Self> {
+        let path = std::env::temp_dir().join(format!("shardlab-{tag}-{}.bin", std::process::id()));
+        synthetic_corpus(tokens, 1).write(&path)?;
+        Ok(TempCorpus { path })
+    }
+}
+
+impl Drop for TempCorpus {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }

@@ -14,7 +14,7 @@ use anyhow::Context;
 use clap::Parser;
 use serde_json::json;
 use shardlab::ddp::{assign_buckets, Variant};
-use shardlab::job::{self, DataSource, GptJob, OneRun};
+use shardlab::job::{self, GptJob, OneRun};
 use shardlab::prelude::*;
 
 fn pt(job: &GptJob, strategy: &str, n: usize) -> anyhow::Result<f64> {
@@ -63,23 +63,10 @@ fn main() -> anyhow::Result<()> {
     } else {
         GptConfig::bench()
     };
-    let pid = std::process::id();
-    let data_file = std::env::temp_dir().join(format!("shardlab-lesson05-{pid}.bin"));
-    shardlab::data::synthetic_corpus(1_000_000, 1).write(&data_file)?;
-    let job = |steps| GptJob {
-        model: cfg,
-        batch_size: 8,
-        accum: 1,
-        steps,
-        warmup: a.warmup,
-        optim: AdamWConfig::default(),
-        data: DataSource::File(data_file.clone()),
-        seed: 1,
-        init: None,
-        save: None,
-    };
+    let corpus = job::TempCorpus::new("lesson05", 1_000_000)?;
+    let job = GptJob::benchmark(cfg, corpus.path.clone(), a.steps, a.warmup);
     let one = |strategy, n, variant, cap: usize| OneRun {
-        job: job(a.steps),
+        job: job.clone(),
         strategy,
         world_size: n,
         backend: a.backend,
@@ -143,9 +130,9 @@ fn main() -> anyhow::Result<()> {
         let mut m: [Vec<f64>; 4] = Default::default();
         for _ in 0..a.repeats {
             m[0].push(job::run_isolated(&one(Strategy::Single, 1, Variant::Bucketed, cap))?.tokens_per_s);
-            m[1].push(pt(&job(a.steps), "single", 1)?);
+            m[1].push(pt(&job, "single", 1)?);
             m[2].push(job::run_isolated(&one(Strategy::Ddp, a.world_size, Variant::Bucketed, cap))?.tokens_per_s);
-            m[3].push(pt(&job(a.steps), "ddp", a.world_size)?);
+            m[3].push(pt(&job, "ddp", a.world_size)?);
         }
         let med: Vec<f64> = m.iter_mut().map(|v| shardlab::bench::median(v)).collect();
         let cmp = json!({"compare": "pytorch", "repeats": a.repeats, "world_size": a.world_size,
@@ -177,6 +164,5 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
-    let _ = std::fs::remove_file(&data_file);
     Ok(())
 }

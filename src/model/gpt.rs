@@ -191,7 +191,7 @@ impl Gpt {
 
     /// Write the weights as one safetensors file with nanoGPT's keys (f32, `lm_head.weight` included).
     pub fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> anyhow::Result<()> {
-        super::save_safetensors(self, path)
+        super::write_state_dict(self.state_dict(), path)
     }
 
     /// Load weights saved by [`save_safetensors`](Self::save_safetensors) or by nanoGPT
@@ -261,17 +261,15 @@ impl Model for Gpt {
         }
     }
     /// nanoGPT's state dict: every parameter plus `lm_head.weight` (the tied wte).
-    fn state_dict(&self) -> Vec<(String, Tensor)> {
-        let mut sd = self.named_parameters();
-        sd.push(("lm_head.weight".into(), self.params[0].1.shallow_clone()));
+    fn state_dict_of(&self, params: Vec<Tensor>) -> Vec<(String, Tensor)> {
+        let wte = params[0].shallow_clone();
+        let mut sd: Vec<(String, Tensor)> = self.params.iter().map(|(n, _)| n.clone()).zip(params).collect();
+        sd.push(("lm_head.weight".into(), wte));
         sd
     }
     /// The head stage also uses wte (the tied lm_head).
     fn stage_uses(&self) -> Vec<Vec<usize>> {
-        let mut uses = vec![Vec::new(); self.num_stages()];
-        for (i, s) in self.param_stages().into_iter().enumerate() {
-            uses[s].push(i);
-        }
+        let mut uses = super::first_uses(self.num_stages(), &self.param_stages());
         uses.last_mut().expect("stages").push(0);
         uses
     }

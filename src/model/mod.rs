@@ -53,19 +53,21 @@ pub trait Model: Send {
     /// For each stage, every parameter it uses (a tied parameter appears in each stage that uses
     /// it). Default: each parameter only in its first-use stage.
     fn stage_uses(&self) -> Vec<Vec<usize>> {
-        let mut uses = vec![Vec::new(); self.num_stages()];
-        for (i, s) in self.param_stages().into_iter().enumerate() {
-            uses[s].push(i);
-        }
-        uses
+        first_uses(self.num_stages(), &self.param_stages())
     }
     /// The VarStore holding the parameters (group 0: weight-decayed, group 1: not), for
     /// libtorch's optimizers.
     fn var_store(&self) -> &tch::nn::VarStore;
 
-    /// The state dict to save: the named parameters (plus tied aliases PyTorch also writes).
+    /// The state dict for these parameter values (one per parameter, `named_parameters` order):
+    /// the parameter names, plus the tied aliases PyTorch also writes. Sharded strategies pass
+    /// the gathered full parameters.
+    fn state_dict_of(&self, params: Vec<Tensor>) -> Vec<(String, Tensor)> {
+        self.named_parameters().into_iter().map(|(n, _)| n).zip(params).collect()
+    }
+    /// The state dict of the parameters this model holds.
     fn state_dict(&self) -> Vec<(String, Tensor)> {
-        self.named_parameters()
+        self.state_dict_of(self.parameters())
     }
     /// The parameters alone.
     fn parameters(&self) -> Vec<Tensor> {
@@ -117,11 +119,20 @@ pub fn staged_backward(model: &dyn Model, batch: &Batch, scale: f64, mut on_stag
     value
 }
 
-/// Write `model`'s state dict as one safetensors file (f32, PyTorch names).
-pub fn save_safetensors(model: &dyn Model, path: impl AsRef<std::path::Path>) -> anyhow::Result<()> {
+/// Group parameter indices by the stage that first uses them (`param_stages`), for `num_stages` stages.
+pub fn first_uses(num_stages: usize, param_stages: &[usize]) -> Vec<Vec<usize>> {
+    let mut uses = vec![Vec::new(); num_stages];
+    for (i, &s) in param_stages.iter().enumerate() {
+        uses[s].push(i);
+    }
+    uses
+}
+
+/// Write a state dict as one safetensors file (f32, PyTorch names).
+pub fn write_state_dict(sd: Vec<(String, Tensor)>, path: impl AsRef<std::path::Path>) -> anyhow::Result<()> {
     use anyhow::Context;
     let path = path.as_ref();
-    let sd: Vec<(String, Tensor)> = model.state_dict().into_iter().map(|(n, t)| (n, t.detach().contiguous())).collect();
+    let sd: Vec<(String, Tensor)> = sd.into_iter().map(|(n, t)| (n, t.detach().contiguous())).collect();
     Tensor::write_safetensors(&sd, path).with_context(|| format!("writing {}", path.display()))
 }
 
