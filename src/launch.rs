@@ -8,9 +8,15 @@
 //!   (serialised as JSON) back to the parent and exits. Keep work you don't want repeated in the
 //!   children after the `spawn` call, or skip it with [`is_spawned_child`].
 //!
+//! A `Tcp` job's ranks authenticate every connection with the job's secret (see
+//! [`crate::comm::auth`]): `spawn` uses `config.secret` (`SHARDLAB_SECRET`) if set, else generates
+//! a fresh random one per job and hands it to its ranks (thread ranks share the config; child
+//! processes get it in `SHARDLAB_SPAWN_CONFIG` and `SHARDLAB_SECRET`).
+//!
 //! A rank that panics, returns an error or exits becomes an error for the caller naming the rank;
 //! the other ranks notice through the communication layer (their peer is gone) and fail too.
 
+use crate::comm::auth::{Secret, SECRET_ENV};
 use crate::comm::{Backend, CommConfig, ProcessGroup, TcpInit};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::os::unix::process::ExitStatusExt;
@@ -50,6 +56,8 @@ pub struct SpawnOptions {
     pub child_args: Option<Vec<String>>,
     /// Extra environment variables for child processes.
     pub env: Vec<(String, String)>,
+    /// MASTER_PORT of a `Tcp` job (default: a port that is free when the job starts).
+    pub master_port: Option<u16>,
 }
 
 impl SpawnOptions {
@@ -64,6 +72,7 @@ impl SpawnOptions {
             threads_per_rank: None,
             child_args: None,
             env: Vec::new(),
+            master_port: None,
         }
     }
     pub fn launch(mut self, l: Launch) -> Self {
@@ -77,6 +86,11 @@ impl SpawnOptions {
     pub fn config(mut self, c: CommConfig) -> Self {
         self.grace = c.timeout + Duration::from_secs(5);
         self.config = c;
+        self
+    }
+    /// Rank 0's store listens on this port (the default is a free one).
+    pub fn master_port(mut self, port: u16) -> Self {
+        self.master_port = Some(port);
         self
     }
 }
@@ -162,10 +176,10 @@ where
             run_threads(pgs.into_iter().map(Ok).collect(), &f)
         }
         (Backend::Tcp, Launch::Threads) => {
-            let port = free_port().map_err(LaunchError::one)?;
+            let port = tcp_port(&opts)?;
             set_threads(&opts, opts.world_size);
             let inits: Vec<TcpInit> = (0..opts.world_size).map(|r| tcp_init(r, opts.world_size, port)).collect();
-            let cfg = opts.config.clone();
+            let cfg = with_secret(&opts.config)?;
             std::thread::scope(|s| {
                 let hs: Vec<_> = inits.iter().map(|i| s.spawn(|| ProcessGroup::init_tcp(i, cfg.clone()))).collect();
                 let pgs: Vec<_> = hs
@@ -188,6 +202,28 @@ fn tcp_init(rank: usize, world_size: usize, port: u16) -> TcpInit {
         local_rank: rank,
         local_world_size: world_size,
     }
+}
+
+fn tcp_port(opts: &SpawnOptions) -> Result<u16, LaunchError> {
+    match opts.master_port {
+        Some(p) => Ok(p),
+        None => free_port().map_err(LaunchError::one),
+    }
+}
+
+/// `cfg` with a secret: the one it has (from `SHARDLAB_SECRET`, say), else a fresh random one for
+/// this job — its ranks are all started from here, so they can share it. A malformed
+/// `SHARDLAB_SECRET` is an error, not replaced.
+fn with_secret(cfg: &CommConfig) -> Result<CommConfig, LaunchError> {
+    let mut cfg = cfg.clone();
+    if cfg.secret.is_none() {
+        let e = |e: crate::comm::CommError| LaunchError::one(e.to_string());
+        cfg.secret = Some(match Secret::from_env().map_err(e)? {
+            Some(s) => s,
+            None => Secret::generate().map_err(e)?,
+        });
+    }
+    Ok(cfg)
 }
 
 /// A port that is free right now on loopback (the kernel picks it).
@@ -315,13 +351,14 @@ where
 fn run_processes<R: DeserializeOwned>(call: usize, opts: &SpawnOptions) -> Result<Vec<R>, LaunchError> {
     let n = opts.world_size;
     let exe = std::env::current_exe().map_err(|e| LaunchError::one(format!("cannot find own executable: {e}")))?;
-    let port = free_port().map_err(LaunchError::one)?;
+    let port = tcp_port(opts)?;
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     let job = format!("spawn-{}-{nanos}-{port}-{call}", std::process::id());
     let dir = std::env::temp_dir().join(format!("shardlab-{job}"));
     std::fs::create_dir_all(&dir).map_err(|e| LaunchError::one(format!("temp dir: {e}")))?;
-    let cfg = CommConfig { job_id: job.clone(), ..opts.config.clone() };
+    let cfg = CommConfig { job_id: job.clone(), ..with_secret(&opts.config)? };
     let cfg_json = serde_json::to_string(&cfg).expect("config serialises");
+    let secret_hex = cfg.secret.as_ref().map(|s| s.to_hex()).unwrap_or_default();
     let mut children = Vec::new();
     for r in 0..n {
         let res = dir.join(format!("rank{r}.json"));
@@ -334,6 +371,7 @@ fn run_processes<R: DeserializeOwned>(call: usize, opts: &SpawnOptions) -> Resul
             .env(ENV_CHILD, call.to_string())
             .env(ENV_RESULT, &res)
             .env(ENV_CONFIG, &cfg_json)
+            .env(SECRET_ENV, &secret_hex)
             .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", n.to_string())

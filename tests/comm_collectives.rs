@@ -22,6 +22,26 @@ fn reference(n: usize, numel: usize, kind: Kind, op: ReduceOp) -> Tensor {
     red.to_kind(kind)
 }
 
+/// `same`, except that Avg on bf16/f16 may differ from the rounded exact mean: those dtypes scale
+/// each contribution by 1/n before summing (so the sum cannot overflow), and x/n rounds when n is
+/// not a power of two. With unit roundoff u (2^-8 bf16, 2^-11 f16) and |x| ≤ M = 8: each x/n rounds
+/// by ≤ u·M/n and each of the n−1 hops by ≤ u·M (no partial sum exceeds M), so ≤ n·u·M from the
+/// exact mean, plus ≤ u·M for rounding the reference itself to the dtype.
+fn reduced_same(got: &Tensor, want: &Tensor, n: usize, op: ReduceOp) -> bool {
+    let u = match got.kind() {
+        Kind::BFloat16 => 2f64.powi(-8),
+        Kind::Half => 2f64.powi(-11),
+        _ => return same(got, want),
+    };
+    if op != ReduceOp::Avg {
+        return same(got, want);
+    }
+    let tol = (n + 1) as f64 * u * 8.0;
+    got.size() == want.size()
+        && got.kind() == want.kind()
+        && got.to_kind(Kind::Double).allclose(&want.to_kind(Kind::Double), 0.0, tol, false)
+}
+
 fn same(a: &Tensor, b: &Tensor) -> bool {
     a.size() == b.size()
         && a.kind() == b.kind()
@@ -37,14 +57,33 @@ fn opts(n: usize, backend: Backend) -> SpawnOptions {
     SpawnOptions::new(n, backend).launch(Launch::Threads).config(cfg())
 }
 
+/// Process ranks on one machine: over TCP frames only, or sharing memory (frames through
+/// shared-memory rings for naive/ring, and the direct algorithms, chunked through 4 KiB buffers).
+fn opts_path(n: usize, path: DataPath) -> SpawnOptions {
+    let config = CommConfig { transport: path, shm_exchange_bytes: 4096, ..cfg() };
+    SpawnOptions::new(n, Backend::Tcp).launch(Launch::Threads).config(config)
+}
+
 const SIZES: [usize; 5] = [0, 1, 5, 1003, 20_011];
 const KINDS: [Kind; 5] = [Kind::Float, Kind::Double, Kind::BFloat16, Kind::Half, Kind::Int64];
 
-fn check_all(backend: Backend) {
+fn check_all(backend: Backend, path: Option<DataPath>) {
     for n in 1..=4 {
-        let failures = spawn_with(opts(n, backend), move |pg| {
+        let algos: &[Algo] = if path == Some(DataPath::Shm) && n > 1 {
+            &[Algo::Naive, Algo::Ring, Algo::Direct]
+        } else {
+            &[Algo::Naive, Algo::Ring]
+        };
+        let o = path.map_or_else(|| opts(n, backend), |p| opts_path(n, p));
+        let failures = spawn_with(o, move |pg| {
             let (r, n) = (pg.rank(), pg.world_size());
             let mut bad = Vec::new();
+            let want_path = match path {
+                None => "local",
+                Some(DataPath::Shm) if n > 1 => "shm",
+                Some(_) => "tcp",
+            };
+            anyhow::ensure!(pg.data_path() == want_path, "data path {} instead of {want_path}", pg.data_path());
             for &kind in &KINDS {
                 for &numel in &SIZES {
                     let ops: &[ReduceOp] = if kind == Kind::Int64 {
@@ -52,11 +91,11 @@ fn check_all(backend: Backend) {
                     } else {
                         &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min]
                     };
-                    for algo in [Algo::Naive, Algo::Ring] {
+                    for &algo in algos {
                         for &op in ops {
                             let mut t = input(r, numel, kind);
                             pg.all_reduce_with(&mut t, op, algo)?;
-                            if !same(&t, &reference(n, numel, kind, op)) {
+                            if !reduced_same(&t, &reference(n, numel, kind, op), n, op) {
                                 bad.push(format!("all_reduce {algo:?} {op:?} {kind:?} numel={numel}"));
                             }
                         }
@@ -75,7 +114,7 @@ fn check_all(backend: Backend) {
                             pg.reduce_scatter_with(&mut out, &big, op, algo)?;
                             let full = reference(n, numel * n, kind, op);
                             let want = full.narrow(0, (r * numel) as i64, numel as i64);
-                            if !same(&out, &want) {
+                            if !reduced_same(&out, &want, n, op) {
                                 bad.push(format!("reduce_scatter {algo:?} {op:?} {kind:?} numel={numel}"));
                             }
                             if !same(&big, &input(r, numel * n, kind)) {
@@ -83,7 +122,7 @@ fn check_all(backend: Backend) {
                             }
                         }
                     }
-                    for algo in [Algo::Naive, Algo::Tree, Algo::Ring] {
+                    for algo in [Algo::Naive, Algo::Tree].iter().chain(algos.iter().skip(1)).copied() {
                         for root in 0..n {
                             let mut t = if r == root {
                                 input(root, numel, kind)
@@ -110,12 +149,17 @@ fn check_all(backend: Backend) {
 
 #[test]
 fn collectives_match_serial_reference_local() {
-    check_all(Backend::Local);
+    check_all(Backend::Local, None);
 }
 
 #[test]
 fn collectives_match_serial_reference_tcp() {
-    check_all(Backend::Tcp);
+    check_all(Backend::Tcp, Some(DataPath::Tcp));
+}
+
+#[test]
+fn collectives_match_serial_reference_shared_memory() {
+    check_all(Backend::Tcp, Some(DataPath::Shm));
 }
 
 #[test]
@@ -138,13 +182,11 @@ fn send_recv_ring_and_async_ops() {
                 // Several async all-reduces in flight, then a blocking one: order is kept.
                 let ts: Vec<Tensor> =
                     (0..4).map(|k| Tensor::full([777], (r * 10 + k) as f64, (Kind::Float, Device::Cpu))).collect();
-                let works: Vec<Work> =
-                    ts.iter().map(|t| pg.all_reduce_async(t, ReduceOp::Sum)).collect::<CommResult<_>>()?;
+                let works: Vec<Work<Tensor>> =
+                    ts.into_iter().map(|t| pg.all_reduce_async(t, ReduceOp::Sum)).collect::<CommResult<_>>()?;
                 let mut last = Tensor::ones([3], (Kind::Float, Device::Cpu));
                 pg.all_reduce(&mut last, ReduceOp::Sum)?;
-                for w in works {
-                    w.wait()?;
-                }
+                let ts: Vec<Tensor> = works.into_iter().map(|w| w.wait()).collect::<CommResult<_>>()?;
                 let sums: Vec<f64> = ts.iter().map(|t| t.double_value(&[776])).collect();
                 Ok((from_prev, sums, last.double_value(&[0])))
             })

@@ -2,6 +2,7 @@
 //! bad arguments, port in use, rendezvous timeout, ranks that disagree (size, dtype, order, root),
 //! a silent peer, a panicking or killed peer, strangers and garbage on the store port.
 
+use shardlab::comm::auth::Secret;
 use shardlab::comm::store::{StoreClient, StoreServer};
 use shardlab::prelude::*;
 use std::io::{Read, Write};
@@ -13,14 +14,25 @@ fn cfg(timeout: Duration) -> CommConfig {
     CommConfig::default().with_timeout(timeout)
 }
 
+/// Every way ranks can talk: threads; processes over TCP frames; processes sharing memory
+/// (frames through shared-memory rings, and the direct algorithms by default).
+const SETUPS: [(Backend, DataPath); 3] =
+    [(Backend::Local, DataPath::Auto), (Backend::Tcp, DataPath::Tcp), (Backend::Tcp, DataPath::Shm)];
+
 /// Run `f` on `n` thread ranks of `backend` (with spawn's end-of-job check); every rank's
 /// outcome, plus how long it took.
-fn run<F>(backend: Backend, n: usize, timeout: Duration, f: F) -> (Vec<Result<(), String>>, Duration)
+fn run<F>(
+    (backend, path): (Backend, DataPath),
+    n: usize,
+    timeout: Duration,
+    f: F,
+) -> (Vec<Result<(), String>>, Duration)
 where
     F: Fn(&ProcessGroup) -> CommResult<()> + Send + Sync,
 {
     let t = Instant::now();
-    let opts = SpawnOptions::new(n, backend).launch(Launch::Threads).config(cfg(timeout));
+    let config = CommConfig { transport: path, ..cfg(timeout) };
+    let opts = SpawnOptions::new(n, backend).launch(Launch::Threads).config(config);
     let out = match spawn_with(opts, |pg| Ok(f(pg)?)) {
         Ok(_) => vec![Ok(()); n],
         Err(e) => (0..n).map(|r| e.failures.iter().find(|f| f.0 == r).map_or(Ok(()), |f| Err(f.1.clone()))).collect(),
@@ -97,7 +109,8 @@ fn rendezvous_times_out_with_names() {
 
 #[test]
 fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
-    for backend in [Backend::Local, Backend::Tcp] {
+    for backend in SETUPS {
+        let direct = backend.1 == DataPath::Shm;
         // Size: rank 1 has one element more.
         let (res, took) =
             run(backend, 3, TIMEOUT, |pg| pg.all_reduce(&mut f32s(1000 + (pg.rank() == 1) as i64), ReduceOp::Sum));
@@ -117,8 +130,9 @@ fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
             }
         });
         assert_all_fail_fast(&res, took, "all_gather");
-        // Root: rank 1 thinks the root is 1. Its frames reach ranks that expect nothing from it in
-        // this broadcast, so the disagreement surfaces at the next collective that reads them…
+        // Root: rank 1 thinks the root is 1. With frames, they reach ranks that expect nothing from
+        // it in this broadcast, so the disagreement surfaces at the next collective that reads
+        // them… (the direct algorithm compares the ranks' op descriptions at once.)
         let (res, took) = run(backend, 3, TIMEOUT, |pg| {
             pg.broadcast(&mut f32s(10), if pg.rank() == 1 { 1 } else { 0 })?;
             pg.all_reduce(&mut f32s(10), ReduceOp::Sum)
@@ -127,7 +141,11 @@ fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
         // …or, if nothing reads them, at the end-of-job check.
         let (res, took) =
             run(backend, 3, TIMEOUT, |pg| pg.broadcast(&mut f32s(10), if pg.rank() == 1 { 1 } else { 0 }));
-        assert_all_fail_fast(&res, took, "sent data for broadcast #");
+        assert_all_fail_fast(
+            &res,
+            took,
+            if direct { "runs broadcast #1 (10 × f32, root 1" } else { "sent data for broadcast #" },
+        );
         // A message nobody receives (rank 1 → rank 2) is caught by the end-of-job check.
         let (res, took) = run(backend, 3, TIMEOUT, |pg| if pg.rank() == 1 { pg.send(&f32s(10), 2) } else { Ok(()) });
         assert_all_fail_fast(&res, took, "unread data from rank 1");
@@ -142,7 +160,7 @@ fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
 
 #[test]
 fn bad_tensor_on_one_rank_fails_every_rank() {
-    for backend in [Backend::Local, Backend::Tcp] {
+    for backend in SETUPS {
         let (res, took) = run(backend, 2, TIMEOUT, |pg| {
             let mut t = if pg.rank() == 0 { Tensor::ones([4], (Kind::Int, Device::Cpu)) } else { f32s(4) };
             pg.all_reduce(&mut t, ReduceOp::Sum)
@@ -172,10 +190,11 @@ fn bad_tensor_on_one_rank_fails_every_rank() {
 
 #[test]
 fn silent_peer_times_out_and_group_stays_poisoned() {
-    for backend in [Backend::Local, Backend::Tcp] {
+    for (backend, path) in SETUPS {
         let timeout = Duration::from_millis(500);
         let t = Instant::now();
-        let e = spawn_with(SpawnOptions::new(3, backend).launch(Launch::Threads).config(cfg(timeout)), |pg| {
+        let config = CommConfig { transport: path, ..cfg(timeout) };
+        let e = spawn_with(SpawnOptions::new(3, backend).launch(Launch::Threads).config(config), |pg| {
             if pg.rank() == 2 {
                 std::thread::sleep(Duration::from_millis(1500)); // misses the collective
             }
@@ -186,19 +205,20 @@ fn silent_peer_times_out_and_group_stays_poisoned() {
         })
         .unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(10));
-        assert_eq!(e.failures.len(), 3, "{backend:?}: {e}");
+        assert_eq!(e.failures.len(), 3, "{backend:?} {path:?}: {e}");
         for (r, msg) in &e.failures {
-            assert!(msg.starts_with("first: ") && msg.contains(" | then: "), "{backend:?} rank {r}: {msg}");
+            assert!(msg.starts_with("first: ") && msg.contains(" | then: "), "{backend:?} {path:?} rank {r}: {msg}");
         }
-        assert!(e.to_string().contains("timed out"), "{backend:?}: {e}");
+        assert!(e.to_string().contains("timed out"), "{backend:?} {path:?}: {e}");
     }
 }
 
 #[test]
 fn panicking_rank_is_reported_and_the_others_are_released() {
-    for backend in [Backend::Local, Backend::Tcp] {
+    for (backend, path) in SETUPS {
         let t = Instant::now();
-        let e = spawn_with(SpawnOptions::new(3, backend).launch(Launch::Threads).config(cfg(TIMEOUT)), |pg| {
+        let config = CommConfig { transport: path, ..cfg(TIMEOUT) };
+        let e = spawn_with(SpawnOptions::new(3, backend).launch(Launch::Threads).config(config), |pg| {
             pg.all_reduce(&mut f32s(10), ReduceOp::Sum)?;
             if pg.rank() == 1 {
                 panic!("boom in rank 1");
@@ -207,7 +227,7 @@ fn panicking_rank_is_reported_and_the_others_are_released() {
             Ok(())
         })
         .unwrap_err();
-        assert!(t.elapsed() < TIMEOUT / 2, "{backend:?}: survivors waited for the timeout");
+        assert!(t.elapsed() < TIMEOUT / 2, "{backend:?} {path:?}: survivors waited for the timeout");
         assert_eq!(e.failures.len(), 3, "{e}");
         assert!(e.to_string().contains("rank 1: panicked: boom in rank 1"), "{e}");
     }
@@ -227,7 +247,7 @@ fn processes_rank_killed_mid_collective() {
         let big = f32s(4 << 20); // 16 MiB: many chunks in flight when the rank dies
         pg.all_reduce(&mut f32s(8), ReduceOp::Sum)?;
         if pg.rank() == 2 {
-            let _w = pg.all_reduce_async(&big, ReduceOp::Sum)?;
+            let _w = pg.all_reduce_async(big.copy(), ReduceOp::Sum)?;
             std::thread::sleep(Duration::from_millis(20));
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
@@ -283,12 +303,20 @@ fn processes_rank_error_is_reported() {
 
 #[test]
 fn store_rejects_strangers_other_jobs_and_garbage() {
-    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "job-a").unwrap();
+    let secret = Secret::generate().unwrap();
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "job-a", &secret).unwrap();
     let addr = server.addr().to_string();
-    // Another job is refused.
-    let e = StoreClient::connect(&addr, "job-b", Duration::from_secs(2)).err().unwrap();
-    assert!(e.to_string().contains("job id mismatch"), "{e}");
-    // Garbage: random bytes, a valid magic with absurd lengths, a request before HELLO, a hang-up.
+    // Another job is refused, and so is a process that does not know the job's secret: at once,
+    // with an error that says which.
+    let t = Instant::now();
+    let e = StoreClient::connect(&addr, "job-b", &secret, Duration::from_secs(2)).err().unwrap();
+    assert!(matches!(e, CommError::Auth(_)) && e.to_string().contains("another job"), "{e}");
+    let e = StoreClient::connect(&addr, "job-a", &Secret::generate().unwrap(), Duration::from_secs(2)).err().unwrap();
+    assert!(matches!(e, CommError::Auth(_)) && e.to_string().contains("SHARDLAB_SECRET"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(2), "refusals must not wait for the timeout");
+    // Garbage: random bytes, a valid request magic with absurd lengths, a request before the
+    // handshake, a hang-up. The store reads no request before authentication: it answers nothing
+    // and closes the connection.
     let payloads: Vec<Vec<u8>> = vec![
         (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect(),
         [0x52, 0x4f, 0x54, 0x53, 2, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f].to_vec(),
@@ -296,22 +324,25 @@ fn store_rejects_strangers_other_jobs_and_garbage() {
         Vec::new(),
     ];
     for p in payloads {
+        let t = Instant::now();
         let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let _ = s.write_all(&p);
+        let _ = s.shutdown(std::net::Shutdown::Write);
         let mut buf = [0u8; 64];
-        // The server answers at most a refusal and then closes the connection.
         let mut total = 0;
         while let Ok(k) = s.read(&mut buf) {
             if k == 0 {
                 break;
             }
             total += k;
-            assert!(total < 64, "server kept talking to a stranger");
         }
+        assert_eq!(total, 0, "the store talked to a stranger");
+        assert!(t.elapsed() < Duration::from_secs(6), "a stranger's connection stayed open {:?}", t.elapsed());
     }
+    assert!(server.stats().authenticated_total == 0 && server.stats().keys == 0, "{:?}", server.stats());
     // The store still works for its own job.
-    let mut c = StoreClient::connect(&addr, "job-a", Duration::from_secs(2)).unwrap();
+    let mut c = StoreClient::connect(&addr, "job-a", &secret, Duration::from_secs(2)).unwrap();
     c.set("k", b"v").unwrap();
     assert_eq!(c.get("k", Duration::from_secs(1)).unwrap().as_deref(), Some(&b"v"[..]));
     assert_eq!(c.get("missing", Duration::from_millis(50)).unwrap(), None);

@@ -12,6 +12,7 @@ mod answer;
 mod answer;
 
 use answer::*;
+use shardlab::comm::auth::Secret;
 use shardlab::comm::store::{StoreClient, StoreServer};
 use std::time::{Duration, Instant};
 
@@ -64,14 +65,19 @@ fn ex1_dial_plan_connects_every_pair_once_without_deadlock() {
     }
 }
 
+/// The store's secret in these tests (a real job's comes from `SHARDLAB_SECRET` or `spawn`).
+fn secret() -> Secret {
+    Secret::derived_from_job_id("lesson01")
+}
+
 fn store() -> (StoreServer, String) {
-    let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "lesson01").unwrap();
+    let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "lesson01", &secret()).unwrap();
     let a = s.addr().to_string();
     (s, a)
 }
 
 fn client(addr: &str) -> StoreClient {
-    StoreClient::connect(addr, "lesson01", Duration::from_secs(5)).unwrap()
+    StoreClient::connect(addr, "lesson01", &secret(), Duration::from_secs(5)).unwrap()
 }
 
 #[test]

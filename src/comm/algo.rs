@@ -6,11 +6,17 @@
 //!   binomial-tree broadcast                                ⌈log2 n⌉·(α + B·β), pipelined in chunks
 //! Large messages travel as frames of at most `chunk` bytes, so the next hop can start on chunk
 //! k while chunk k+1 is still on the wire (pipelining).
+//!
+//! Reductions combine with `dtype::reduce_into` (integer sums wrap; Max/Min propagate NaN).
+//! `ReduceOp::Avg` is a sum plus a division by n, placed per dtype (see
+//! `dtype::avg_premultiplies`): bf16/f16 scale every rank's contribution by 1/n before anything
+//! is sent — on every rank, the naive algorithms' non-roots included — and f32/f64 divide the
+//! finished sum once.
 
 use super::dtype::{self, ReduceOp};
-use super::error::CommResult;
+use super::error::{CommError, CommResult};
 use super::frame::{BufPool, OpDesc};
-use super::transport::{Recv, Transport};
+use super::transport::{Exchange, Recv, Transport};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -212,14 +218,27 @@ pub(crate) fn broadcast_ring(c: &Ctx, buf: &mut [u8], root: usize) -> CommResult
 
 // ---------------------------------------------------------------- all_reduce
 
+/// Avg on bf16/f16 with more than one rank: scale each contribution by 1/n first.
+fn premultiplied(c: &Ctx, op: ReduceOp) -> bool {
+    op == ReduceOp::Avg && c.n > 1 && dtype::avg_premultiplies(c.desc.dtype)
+}
+
+/// Avg on f32/f64: divide the finished sum by n.
+fn post_divides(c: &Ctx, op: ReduceOp) -> bool {
+    op == ReduceOp::Avg && !dtype::avg_premultiplies(c.desc.dtype)
+}
+
 pub(crate) fn all_reduce_naive(c: &Ctx, buf: &mut [u8], op: ReduceOp) -> CommResult<()> {
+    if premultiplied(c, op) {
+        dtype::premultiply(c.desc.dtype, buf, None, c.n); // buf is overwritten by the result anyway
+    }
     if c.rank != 0 {
         c.send(0, buf)?;
         return c.recv_into(0, buf);
     }
     // buf: (numel,) — rank 0 receives n−1 full copies and sends n−1 back: 2(n−1)·B through one link.
     (1..c.n).try_for_each(|p| c.recv_reduce(p, buf, op))?;
-    if op == ReduceOp::Avg {
+    if post_divides(c, op) {
         dtype::divide(c.desc.dtype, buf, c.n);
     }
     (1..c.n).try_for_each(|p| c.send(p, buf))
@@ -229,11 +248,14 @@ pub(crate) fn all_reduce_ring(c: &Ctx, buf: &mut [u8], op: ReduceOp) -> CommResu
     let (n, r, es, dt) = (c.n, c.rank, c.desc.dtype.size(), c.desc.dtype);
     let numel = buf.len() / es;
     let seg = |i: usize| segment(numel, n, i % n, es);
+    if premultiplied(c, op) {
+        dtype::premultiply(dt, buf, None, n);
+    }
     // Reduce-scatter: after n−1 steps rank r holds the full reduction of segment r+1.
     for s in 0..n - 1 {
         c.ring_step(buf, seg(r + n - s), seg(r + 2 * n - s - 1), Apply::Reduce(op))?;
     }
-    if op == ReduceOp::Avg {
+    if post_divides(c, op) {
         dtype::divide(dt, &mut buf[seg(r + 1)], n);
     }
     // All-gather: pass the finished segments around the ring.
@@ -274,6 +296,13 @@ pub(crate) fn all_gather_ring(c: &Ctx, out: &mut [u8], input: &[u8]) -> CommResu
 /// `input` holds n blocks of `out.len()` bytes; `out` receives the reduction of every rank's block r.
 pub(crate) fn reduce_scatter_naive(c: &Ctx, out: &mut [u8], input: &[u8], op: ReduceOp) -> CommResult<()> {
     let m = out.len();
+    // Premultiply into scratch: the caller's input must stay untouched.
+    let scaled = premultiplied(c, op).then(|| {
+        let mut b = c.pool.get(input.len());
+        dtype::premultiply(c.desc.dtype, b.bytes_mut(), Some(input), c.n);
+        b
+    });
+    let input: &[u8] = scaled.as_ref().map_or(input, |b| b.bytes());
     if c.rank != 0 {
         c.send(0, input)?;
         return c.recv_into(0, out);
@@ -282,7 +311,7 @@ pub(crate) fn reduce_scatter_naive(c: &Ctx, out: &mut [u8], input: &[u8], op: Re
     let acc = acc.bytes_mut();
     acc.copy_from_slice(input);
     (1..c.n).try_for_each(|p| c.recv_reduce(p, acc, op))?;
-    if op == ReduceOp::Avg {
+    if post_divides(c, op) {
         dtype::divide(c.desc.dtype, acc, c.n);
     }
     (1..c.n).try_for_each(|p| c.send(p, &acc[p * m..(p + 1) * m]))?;
@@ -293,6 +322,13 @@ pub(crate) fn reduce_scatter_naive(c: &Ctx, out: &mut [u8], input: &[u8], op: Re
 pub(crate) fn reduce_scatter_ring(c: &Ctx, out: &mut [u8], input: &[u8], op: ReduceOp) -> CommResult<()> {
     let (n, r, m, dt) = (c.n, c.rank, out.len(), c.desc.dtype);
     let blk = |i: usize| (i % n) * m..(i % n + 1) * m;
+    // Premultiply into scratch: the caller's input must stay untouched.
+    let scaled = premultiplied(c, op).then(|| {
+        let mut b = c.pool.get(input.len());
+        dtype::premultiply(dt, b.bytes_mut(), Some(input), n);
+        b
+    });
+    let input: &[u8] = scaled.as_ref().map_or(input, |b| b.bytes());
     // Step s sends the partial sum of block r−s−1 and receives block r−s−2; partial sums live in
     // two scratch buffers (never in `input`, which the caller keeps), the last step lands in `out`.
     let mut cur = c.pool.get(m);
@@ -310,8 +346,142 @@ pub(crate) fn reduce_scatter_ring(c: &Ctx, out: &mut [u8], input: &[u8], op: Red
     if n == 1 {
         out.copy_from_slice(input);
     }
-    if op == ReduceOp::Avg {
+    if post_divides(c, op) {
         dtype::divide(dt, out, n);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- direct (shared memory)
+//
+// Every rank on one machine: a rank puts its part into its shared exchange buffer, syncs, and
+// reads its peers' parts straight out of theirs. Per chunk of at most one buffer:
+//   all_reduce      put (all but own segment) · sync · reduce own segment from every peer's copy
+//                   · put it · sync · copy the other finished segments from their owners
+//   reduce_scatter  put every block but own · sync · reduce own block from every peer's copy
+//   all_gather      put input · sync · copy every peer's input
+//   broadcast       root puts · sync · the others copy
+// Each byte that moves is copied once (a ring over sockets or shared-memory rings copies it
+// twice); the volume each rank reads is the ring's, 2(n−1)/n·B for all_reduce.
+
+fn exchange<'a>(c: &Ctx<'a>) -> CommResult<&'a dyn Exchange> {
+    c.t.shared_buffers().ok_or_else(|| {
+        CommError::InvalidArgument(format!(
+            "{}: the direct algorithm needs every rank on one machine, sharing memory (this group's data path is {})",
+            c.desc.op.name(),
+            c.t.data_path()
+        ))
+    })
+}
+
+/// Chunks of at most `cap` bytes (whole elements; one empty chunk for an empty buffer).
+fn chunks(len: usize, cap: usize, es: usize) -> impl Iterator<Item = Range<usize>> {
+    let step = (cap / es).max(1) * es;
+    (0..len.div_ceil(step).max(1)).map(move |k| k * step..((k + 1) * step).min(len))
+}
+
+impl Ctx<'_> {
+    fn moved(&self, sent: usize, received: usize) {
+        self.counters.sent.fetch_add(sent as u64, Ordering::Relaxed);
+        self.received(received);
+    }
+}
+
+pub(crate) fn all_reduce_direct(c: &Ctx, buf: &mut [u8], op: ReduceOp) -> CommResult<()> {
+    let x = exchange(c)?;
+    let (n, r, es, dt) = (c.n, c.rank, c.desc.dtype.size(), c.desc.dtype);
+    if premultiplied(c, op) {
+        dtype::premultiply(dt, buf, None, n);
+    }
+    for ch in chunks(buf.len(), x.capacity(), es) {
+        let part = &mut buf[ch];
+        let numel = part.len() / es;
+        let seg = |i: usize| segment(numel, n, i, es);
+        let mine = seg(r);
+        x.begin();
+        x.put(&c.desc, 0, &part[..mine.start])?; // peers reduce their segments from these
+        x.put(&c.desc, mine.end, &part[mine.end..])?;
+        x.sync(&c.desc, c.timeout)?;
+        for p in (0..n).filter(|&p| p != r) {
+            dtype::reduce_into(dt, op, &mut part[mine.clone()], x.theirs(p, mine.start, mine.len()));
+        }
+        if post_divides(c, op) {
+            dtype::divide(dt, &mut part[mine.clone()], n);
+        }
+        x.put(&c.desc, mine.start, &part[mine.clone()])?;
+        x.sync(&c.desc, c.timeout)?;
+        for q in (0..n).filter(|&q| q != r) {
+            let s = seg(q);
+            part[s.clone()].copy_from_slice(x.theirs(q, s.start, s.len()));
+        }
+        // Peers read our other segments once and our finished one n−1 times; we read theirs alike.
+        let moved = part.len() - mine.len() + (n - 1) * mine.len();
+        c.moved(moved, moved);
+    }
+    Ok(())
+}
+
+pub(crate) fn reduce_scatter_direct(c: &Ctx, out: &mut [u8], input: &[u8], op: ReduceOp) -> CommResult<()> {
+    let x = exchange(c)?;
+    let (n, r, m, es, dt) = (c.n, c.rank, out.len(), c.desc.dtype.size(), c.desc.dtype);
+    let scaled = premultiplied(c, op).then(|| {
+        let mut b = c.pool.get(input.len());
+        dtype::premultiply(dt, b.bytes_mut(), Some(input), n);
+        b
+    });
+    let input: &[u8] = scaled.as_ref().map_or(input, |b| b.bytes());
+    // input: n blocks of m bytes; a chunk takes the same slice [a, b) of every block.
+    for ch in chunks(m, x.capacity() / n, es) {
+        let len = ch.len();
+        x.begin();
+        for q in (0..n).filter(|&q| q != r) {
+            x.put(&c.desc, q * len, &input[q * m + ch.start..q * m + ch.end])?;
+        }
+        x.sync(&c.desc, c.timeout)?;
+        let dst = &mut out[ch.clone()];
+        dst.copy_from_slice(&input[r * m + ch.start..r * m + ch.end]);
+        for p in (0..n).filter(|&p| p != r) {
+            dtype::reduce_into(dt, op, dst, x.theirs(p, r * len, len));
+        }
+        if post_divides(c, op) {
+            dtype::divide(dt, dst, n);
+        }
+        c.moved((n - 1) * len, (n - 1) * len);
+    }
+    Ok(())
+}
+
+pub(crate) fn all_gather_direct(c: &Ctx, out: &mut [u8], input: &[u8]) -> CommResult<()> {
+    let x = exchange(c)?;
+    let (n, r, m) = (c.n, c.rank, input.len());
+    for ch in chunks(m, x.capacity(), c.desc.dtype.size()) {
+        let len = ch.len();
+        x.begin();
+        x.put(&c.desc, 0, &input[ch.clone()])?;
+        x.sync(&c.desc, c.timeout)?;
+        out[r * m + ch.start..r * m + ch.end].copy_from_slice(&input[ch.clone()]);
+        for q in (0..n).filter(|&q| q != r) {
+            out[q * m + ch.start..q * m + ch.end].copy_from_slice(x.theirs(q, 0, len));
+        }
+        c.moved((n - 1) * len, (n - 1) * len);
+    }
+    Ok(())
+}
+
+pub(crate) fn broadcast_direct(c: &Ctx, buf: &mut [u8], root: usize) -> CommResult<()> {
+    let x = exchange(c)?;
+    for ch in chunks(buf.len(), x.capacity(), c.desc.dtype.size()) {
+        let len = ch.len();
+        x.begin();
+        if c.rank == root {
+            x.put(&c.desc, 0, &buf[ch])?;
+            x.sync(&c.desc, c.timeout)?;
+            c.moved((c.n - 1) * len, 0);
+        } else {
+            x.sync(&c.desc, c.timeout)?;
+            buf[ch].copy_from_slice(x.theirs(root, 0, len));
+            c.moved(0, len);
+        }
     }
     Ok(())
 }

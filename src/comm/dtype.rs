@@ -73,10 +73,15 @@ impl DType {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[repr(u8)]
 pub enum ReduceOp {
+    /// Integer sums wrap on overflow (two's complement), as in torch and NCCL.
     Sum = 1,
-    /// Sum divided by the world size (floating-point dtypes only).
+    /// Mean over the ranks (floating-point dtypes only). f32/f64 divide the sum by the world size;
+    /// bf16/f16 divide each rank's contribution before summing, so the sum cannot overflow when the
+    /// mean is representable (as NCCL does).
     Avg = 2,
+    /// Elementwise maximum; NaN if any rank has NaN there (like `torch.maximum`).
     Max = 3,
+    /// Elementwise minimum; NaN if any rank has NaN there (like `torch.minimum`).
     Min = 4,
 }
 
@@ -122,72 +127,151 @@ fn typed_mut<T>(b: &mut [u8]) -> &mut [T] {
     unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, b.len() / s) }
 }
 
-macro_rules! combine {
-    ($op:expr, $d:expr, $s:expr) => {
-        match $op {
-            ReduceOp::Sum | ReduceOp::Avg => $d.iter_mut().zip($s).for_each(|(d, s)| *d = *d + *s),
-            ReduceOp::Max => $d.iter_mut().zip($s).for_each(|(d, s)| {
-                if *s > *d {
-                    *d = *s
-                }
-            }),
-            ReduceOp::Min => $d.iter_mut().zip($s).for_each(|(d, s)| {
-                if *s < *d {
-                    *d = *s
-                }
-            }),
-        }
-    };
+/// What the reduction kernels need from an element type.
+trait Elem: Copy + PartialOrd {
+    /// `Sum`'s `+`: IEEE addition for floats (half types in f32, rounded back), two's-complement
+    /// wrapping for integers.
+    fn add(self, other: Self) -> Self;
+    fn is_nan(self) -> bool;
 }
 
-/// `dst[i] = dst[i] ⊕ src[i]` elementwise (for Avg this is the sum; divide once at the end).
-/// Half types are combined in f32 and rounded back, as NCCL and Gloo do per hop.
+impl Elem for f32 {
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        self + o
+    }
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+}
+impl Elem for f64 {
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        self + o
+    }
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
+    }
+}
+/// Integer sums wrap on overflow, as torch and NCCL do. A plain `+` would panic in builds with
+/// overflow checks (the dev profile), so another rank's data could kill this rank.
+impl Elem for i64 {
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        self.wrapping_add(o)
+    }
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        false
+    }
+}
+/// Half types are added in f32 and rounded back, as NCCL and Gloo do per hop.
+impl Elem for bf16 {
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        bf16::from_f32(self.to_f32() + o.to_f32())
+    }
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        bf16::is_nan(self)
+    }
+}
+impl Elem for f16 {
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        f16::from_f32(self.to_f32() + o.to_f32())
+    }
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        f16::is_nan(self)
+    }
+}
+
+/// `dst[i] = dst[i] ⊕ src[i]`. Max and Min propagate NaN like `torch.maximum`/`torch.minimum`:
+/// if either operand is NaN the result is NaN, whichever operand it was, so every rank order gives
+/// the same answer. (`s > d || s.is_nan()` is a branch-free select and vectorises.)
+#[inline(always)]
+fn combine<T: Elem>(op: ReduceOp, d: &mut [T], s: &[T]) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => d.iter_mut().zip(s).for_each(|(d, s)| *d = d.add(*s)),
+        ReduceOp::Max => d.iter_mut().zip(s).for_each(|(d, s)| *d = if *s > *d || s.is_nan() { *s } else { *d }),
+        ReduceOp::Min => d.iter_mut().zip(s).for_each(|(d, s)| *d = if *s < *d || s.is_nan() { *s } else { *d }),
+    }
+}
+
+/// `dst[i] = dst[i] ⊕ src[i]` elementwise. For Avg this is the sum: see [`avg_premultiplies`] for
+/// where the division by n happens.
 pub(crate) fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     debug_assert_eq!(dst.len(), src.len());
     match dtype {
-        DType::F32 => combine!(op, typed_mut::<f32>(dst), typed::<f32>(src)),
-        DType::F64 => combine!(op, typed_mut::<f64>(dst), typed::<f64>(src)),
-        DType::I64 => combine!(op, typed_mut::<i64>(dst), typed::<i64>(src)),
-        DType::BF16 => half_combine(op, typed_mut::<bf16>(dst), typed::<bf16>(src)),
-        DType::F16 => half_combine(op, typed_mut::<f16>(dst), typed::<f16>(src)),
+        DType::F32 => combine(op, typed_mut::<f32>(dst), typed::<f32>(src)),
+        DType::F64 => combine(op, typed_mut::<f64>(dst), typed::<f64>(src)),
+        DType::I64 => combine(op, typed_mut::<i64>(dst), typed::<i64>(src)),
+        DType::BF16 => combine(op, typed_mut::<bf16>(dst), typed::<bf16>(src)),
+        DType::F16 => combine(op, typed_mut::<f16>(dst), typed::<f16>(src)),
     }
 }
 
-fn half_combine<H: Copy + Into<f32> + HalfFrom>(op: ReduceOp, d: &mut [H], s: &[H]) {
-    for (d, s) in d.iter_mut().zip(s) {
-        let (a, b): (f32, f32) = ((*d).into(), (*s).into());
-        let r = match op {
-            ReduceOp::Sum | ReduceOp::Avg => a + b,
-            ReduceOp::Max => a.max(b),
-            ReduceOp::Min => a.min(b),
-        };
-        *d = H::from_f32(r);
+/// Where `ReduceOp::Avg` divides by the world size n.
+///
+/// * bf16/f16 (`true`): every rank scales its own contribution by 1/n *before* anything is
+///   combined or sent ([`premultiply`]; NCCL's "premultiply"), so no partial sum exceeds the largest
+///   input: 4 ranks × 60000 would overflow f16 (max 65504) to inf although the mean is representable.
+/// * f32/f64 (`false`): sum, then divide the finished sum once ([`divide`]), as Gloo does. The sum
+///   is exact for the integer-valued tensors the tests use, so the mean is rounded once, and an f32
+///   sum of gradients does not come near overflow (3.4e38).
+pub(crate) fn avg_premultiplies(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+}
+
+/// `dst[i] = src[i] / n` (`src` = None: in place) — the first step of `Avg` on bf16/f16.
+/// The quotient is computed in f32 and rounded once to the half type; for fewer than 4096 ranks
+/// that equals the correctly rounded x/n.
+pub(crate) fn premultiply(dtype: DType, dst: &mut [u8], src: Option<&[u8]>, n: usize) {
+    fn scale<H: Half>(d: &mut [H], s: Option<&[H]>, n: usize) {
+        let nf = n as f32;
+        match s {
+            Some(s) => d.iter_mut().zip(s).for_each(|(d, s)| *d = H::from_f32(s.to_f32() / nf)),
+            None => d.iter_mut().for_each(|d| *d = H::from_f32(d.to_f32() / nf)),
+        }
+    }
+    debug_assert!(src.is_none_or(|s| s.len() == dst.len()));
+    match dtype {
+        DType::BF16 => scale(typed_mut::<bf16>(dst), src.map(typed::<bf16>), n),
+        DType::F16 => scale(typed_mut::<f16>(dst), src.map(typed::<f16>), n),
+        _ => unreachable!("Avg premultiplies only bf16/f16 (see avg_premultiplies)"),
     }
 }
 
-trait HalfFrom {
+trait Half: Copy {
+    fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
 }
-impl HalfFrom for bf16 {
+impl Half for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
 }
-impl HalfFrom for f16 {
+impl Half for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
 }
 
-/// `dst[i] /= n` — the final step of `ReduceOp::Avg`.
+/// `dst[i] /= n` — the last step of `Avg` on f32/f64 (see [`avg_premultiplies`]).
 pub(crate) fn divide(dtype: DType, dst: &mut [u8], n: usize) {
-    let nf = n as f64;
     match dtype {
         DType::F32 => typed_mut::<f32>(dst).iter_mut().for_each(|v| *v /= n as f32),
-        DType::F64 => typed_mut::<f64>(dst).iter_mut().for_each(|v| *v /= nf),
-        DType::BF16 => typed_mut::<bf16>(dst).iter_mut().for_each(|v| *v = bf16::from_f32(v.to_f32() / n as f32)),
-        DType::F16 => typed_mut::<f16>(dst).iter_mut().for_each(|v| *v = f16::from_f32(v.to_f32() / n as f32)),
-        DType::I64 => unreachable!("avg on integers is rejected before any communication"),
+        DType::F64 => typed_mut::<f64>(dst).iter_mut().for_each(|v| *v /= n as f64),
+        _ => unreachable!("Avg divides the sum only for f32/f64; bf16/f16 premultiply, i64 is rejected"),
     }
 }
 

@@ -33,6 +33,10 @@ pub enum CommError {
     /// Another rank failed and told everybody to stop.
     #[error("aborted because rank {by} failed: {reason}")]
     Aborted { by: usize, reason: String },
+    /// A connection could not be authenticated: the peer does not know the job's secret
+    /// (`SHARDLAB_SECRET`), belongs to another job, or is not a shardlab endpoint at all.
+    #[error("authentication failed: {0}")]
+    Auth(String),
     /// Bytes on the wire that do not follow the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),

@@ -179,7 +179,7 @@ impl BufPool {
     pub fn get(self: &Arc<Self>, len: usize) -> Buf {
         let words = len.div_ceil(8).max(1);
         let found = {
-            let mut free = self.free.lock().unwrap();
+            let mut free = super::relock(&self.free);
             free.iter().rposition(|v| v.len() >= words).map(|i| free.swap_remove(i))
         };
         let data = found.unwrap_or_else(|| vec![0u64; words]);
@@ -189,7 +189,7 @@ impl BufPool {
         if v.is_empty() {
             return;
         }
-        let mut free = self.free.lock().unwrap();
+        let mut free = super::relock(&self.free);
         if free.len() < POOL_KEEP {
             free.push(v);
         }

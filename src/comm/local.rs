@@ -33,7 +33,7 @@ impl Inbox {
         Inbox { tx, rx, poison: Mutex::new(None) }
     }
     fn poison(&self, err: CommError) {
-        let mut p = self.poison.lock().unwrap();
+        let mut p = super::relock(&self.poison);
         if p.is_none() {
             *p = Some(err);
             drop(p);
@@ -43,7 +43,7 @@ impl Inbox {
         }
     }
     fn poisoned(&self) -> Option<CommError> {
-        self.poison.lock().unwrap().clone()
+        super::relock(&self.poison).clone()
     }
     fn next(&self, peer: usize, timeout: Duration, desc: &OpDesc) -> CommResult<(OpDesc, Buf)> {
         let deadline = Instant::now() + timeout;
@@ -189,6 +189,9 @@ impl Transport for LocalTransport {
             }
         }
         None
+    }
+    fn data_path(&self) -> &'static str {
+        "local"
     }
     fn leave(&self) {
         for (p, inbox) in self.inboxes.iter().enumerate() {

@@ -23,6 +23,7 @@
 //! ```
 
 pub mod algo;
+pub mod auth;
 pub mod dtype;
 pub mod error;
 pub(crate) mod frame;
@@ -65,6 +66,12 @@ pub enum Algo {
     Ring = 2,
     /// Binomial tree (broadcast): ⌈log2 n⌉ rounds, pipelined in chunks.
     Tree = 3,
+    /// Every rank reads its peers' data straight out of their shared memory (process ranks that
+    /// all run on one machine): one copy per byte that moves, no frames.
+    Direct = 4,
+    /// The best this group has: `Direct` when every rank shares memory, else `Ring` (broadcast:
+    /// `Tree`). Resolved when the call is made; never on the wire.
+    Auto = 5,
 }
 
 impl Algo {
@@ -73,6 +80,8 @@ impl Algo {
             Algo::Naive => "naive",
             Algo::Ring => "ring",
             Algo::Tree => "tree",
+            Algo::Direct => "direct",
+            Algo::Auto => "auto",
         }
     }
     pub(crate) fn from_u8(v: u8) -> Option<Self> {
@@ -80,14 +89,15 @@ impl Algo {
             1 => Algo::Naive,
             2 => Algo::Ring,
             3 => Algo::Tree,
+            4 => Algo::Direct,
             _ => return None,
         })
     }
     /// Algorithms implemented for `op`.
     pub fn supported(op: OpKind) -> &'static [Algo] {
         match op {
-            OpKind::Broadcast => &[Algo::Naive, Algo::Tree, Algo::Ring],
-            OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Naive, Algo::Ring],
+            OpKind::Broadcast => &[Algo::Naive, Algo::Tree, Algo::Ring, Algo::Direct],
+            OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter => &[Algo::Naive, Algo::Ring, Algo::Direct],
             OpKind::Barrier | OpKind::Send => &[Algo::Naive],
         }
     }
@@ -113,6 +123,56 @@ pub struct CommConfig {
     pub broadcast_algo: Algo,
     pub all_gather_algo: Algo,
     pub reduce_scatter_algo: Algo,
+    /// The job's shared secret, which every TCP connection of the job proves it knows
+    /// (`SHARDLAB_SECRET`, 64 hex digits). `None`: [`crate::launch::spawn`] generates one;
+    /// `init_tcp` without one derives it from the job id on loopback-only jobs (with a warning)
+    /// and refuses otherwise — see [`auth`]. Its `Debug` is redacted.
+    #[serde(default)]
+    pub secret: Option<auth::Secret>,
+    /// How process ranks on the same machine move data (`SHARDLAB_TRANSPORT`, default `auto`).
+    #[serde(default)]
+    pub transport: DataPath,
+    /// Bytes of each of a rank's two shared-memory exchange buffers, used by the direct
+    /// algorithms (`SHARDLAB_SHM_EXCHANGE`, default 8 MiB); larger messages go in chunks. Ranks
+    /// chunk by the smallest buffer of the group.
+    #[serde(default = "default_exchange")]
+    pub shm_exchange_bytes: usize,
+    /// A failure to inject, for the failure tests (`None` in real jobs).
+    #[doc(hidden)]
+    #[serde(default)]
+    pub fault: Option<Fault>,
+}
+
+/// How the `tcp` backend moves data between process ranks on the same machine. Ranks on different
+/// machines always use TCP; the control connections (aborts, goodbyes) are TCP everywhere.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum DataPath {
+    /// Shared memory between ranks on one machine when both can, else TCP.
+    #[default]
+    Auto,
+    /// TCP sockets only (loopback between ranks on one machine).
+    Tcp,
+    /// Shared memory between ranks on one machine, or a rendezvous error saying why not.
+    Shm,
+}
+
+/// A failure to inject (failure tests only): rank `rank` fails after it has sent `after_bytes`
+/// payload bytes in collective number `seq` (0-based, counting every collective of the group,
+/// the barrier that ends rendezvous included) — in the middle of a frame when `after_bytes`
+/// falls inside one. `kill`: the process SIGKILLs itself; else the rank aborts (its process
+/// stays alive). TCP backend only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fault {
+    pub rank: usize,
+    pub seq: u64,
+    pub after_bytes: usize,
+    pub kill: bool,
+}
+
+/// Lock a mutex whose data stays valid even if a holder panicked (buffers, flags, the poison
+/// slot): a panic in one operation must not turn every later call into a panic.
+pub(crate) fn relock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn env_num<T: std::str::FromStr>(name: &str) -> Option<T> {
@@ -148,12 +208,28 @@ impl Default for CommConfig {
                 .or_else(|_| std::env::var("TORCHELASTIC_RUN_ID"))
                 .unwrap_or_else(|_| "shardlab".into()),
             store_bind: std::env::var("SHARDLAB_STORE_BIND").unwrap_or_else(|_| "127.0.0.1".into()),
-            all_reduce_algo: Algo::Ring,
-            broadcast_algo: Algo::Tree,
-            all_gather_algo: Algo::Ring,
-            reduce_scatter_algo: Algo::Ring,
+            all_reduce_algo: Algo::Auto,
+            broadcast_algo: Algo::Auto,
+            all_gather_algo: Algo::Auto,
+            reduce_scatter_algo: Algo::Auto,
+            secret: auth::Secret::from_env().ok().flatten(),
+            transport: match std::env::var("SHARDLAB_TRANSPORT").as_deref() {
+                Ok("tcp") => DataPath::Tcp,
+                Ok("shm") => DataPath::Shm,
+                Ok("auto") | Err(_) => DataPath::Auto,
+                Ok(other) => {
+                    eprintln!("shardlab: ignoring SHARDLAB_TRANSPORT={other:?} (auto, tcp or shm)");
+                    DataPath::Auto
+                }
+            },
+            shm_exchange_bytes: env_num("SHARDLAB_SHM_EXCHANGE").unwrap_or_else(default_exchange),
+            fault: None,
         }
     }
+}
+
+fn default_exchange() -> usize {
+    8 << 20
 }
 
 impl CommConfig {
@@ -164,6 +240,12 @@ impl CommConfig {
         self
     }
     fn validate(&self) -> CommResult<()> {
+        if !(4096..=1 << 30).contains(&self.shm_exchange_bytes) {
+            return Err(CommError::InvalidArgument(format!(
+                "shm_exchange_bytes must be between 4096 and 1 GiB (got {})",
+                self.shm_exchange_bytes
+            )));
+        }
         if self.chunk_bytes < 8 || self.chunk_bytes > frame::MAX_FRAME {
             return Err(CommError::InvalidArgument(format!(
                 "chunk_bytes must be between 8 and {} (got {})",
@@ -227,10 +309,18 @@ pub struct ProcessGroup {
 }
 
 /// Handle of an operation started with one of the `*_async` methods; [`Work::wait`] blocks until it
-/// is done. Until then the tensors given to the call must not be read or written.
-#[must_use = "wait on the Work, or the tensors may be used while the operation still runs"]
-pub struct Work {
+/// is done and hands back the tensor the operation wrote (`T`).
+///
+/// The `*_async` methods take their tensors by value, so safe code cannot touch them while the
+/// communication thread reads and writes their memory: the output comes back from `wait`, the
+/// input is dropped when the operation is done. (A `shallow_clone` made *before* the call still
+/// aliases the storage — that is an explicit choice of the caller, and it must not be written
+/// through until `wait` returns.) A `Work` dropped without `wait` lets the operation finish in
+/// the background; its tensors are freed then.
+#[must_use = "wait on the Work to get the result (and to see its error)"]
+pub struct Work<T = ()> {
     rx: crossbeam_channel::Receiver<(CommResult<()>, Instant, Instant)>,
+    out: T,
 }
 
 /// When an asynchronous operation actually ran on the communication thread.
@@ -240,16 +330,16 @@ pub struct WorkTiming {
     pub finished: Instant,
 }
 
-impl Work {
-    /// Block until the operation finished; its error, if any.
-    pub fn wait(self) -> CommResult<()> {
-        self.wait_timed().map(|_| ())
+impl<T> Work<T> {
+    /// Block until the operation finished; its result (the tensor it wrote) or its error.
+    pub fn wait(self) -> CommResult<T> {
+        self.wait_timed().map(|(out, _)| out)
     }
     /// [`wait`](Self::wait), also saying when the operation started and finished on the
     /// communication thread (to measure how much communication overlapped compute).
-    pub fn wait_timed(self) -> CommResult<WorkTiming> {
+    pub fn wait_timed(self) -> CommResult<(T, WorkTiming)> {
         match self.rx.recv() {
-            Ok((r, started, finished)) => r.map(|_| WorkTiming { started, finished }),
+            Ok((r, started, finished)) => r.map(|_| (self.out, WorkTiming { started, finished })),
             Err(_) => Err(CommError::Io("communication thread stopped".into())),
         }
     }
@@ -273,7 +363,15 @@ impl Inner {
     /// Run one operation on this thread: checks, sequence number, the algorithm, and on any
     /// failure poison the group and tell the peers.
     fn exec(&self, spec: OpSpec, body: impl FnOnce(&Ctx) -> CommResult<()>) -> CommResult<()> {
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state.lock().map_err(|_| {
+            let e = CommError::Io(format!(
+                "rank {}: an earlier operation panicked inside the communication layer; this group is unusable ({} refused)",
+                self.rank,
+                spec.op.name()
+            ));
+            self.t.abort(&e);
+            e
+        })?;
         if let Some(e) = self.t.poisoned() {
             return Err(e);
         }
@@ -387,7 +485,7 @@ impl ProcessGroup {
 
     /// Join a TCP group: rank 0 hosts the store at `master_addr:master_port`, every rank connects
     /// to it, publishes its data address and connects to every other rank.
-    pub fn init_tcp(init: &TcpInit, cfg: CommConfig) -> CommResult<ProcessGroup> {
+    pub fn init_tcp(init: &TcpInit, mut cfg: CommConfig) -> CommResult<ProcessGroup> {
         let (rank, n) = (init.rank, init.world_size);
         if n == 0 {
             return Err(CommError::InvalidArgument("WORLD_SIZE must be at least 1".into()));
@@ -396,16 +494,18 @@ impl ProcessGroup {
             return Err(CommError::InvalidArgument(format!("RANK {rank} is out of range for WORLD_SIZE {n}")));
         }
         cfg.validate()?;
+        let secret = auth::job_secret(&cfg, rank, &init.master_addr, init.master_port)?;
+        cfg.secret = Some(secret.clone());
         let master = format!("{}:{}", init.master_addr, init.master_port);
         let server = if rank == 0 {
             let ip: std::net::IpAddr = cfg.store_bind.parse().map_err(|_| {
                 CommError::InvalidArgument(format!("SHARDLAB_STORE_BIND {:?} is not an IP address", cfg.store_bind))
             })?;
-            Some(store::StoreServer::bind(std::net::SocketAddr::new(ip, init.master_port), &cfg.job_id)?)
+            Some(store::StoreServer::bind(std::net::SocketAddr::new(ip, init.master_port), &cfg.job_id, &secret)?)
         } else {
             None
         };
-        let mut client = store::StoreClient::connect(&master, &cfg.job_id, cfg.rendezvous_timeout)?;
+        let mut client = store::StoreClient::connect(&master, &cfg.job_id, &secret, cfg.rendezvous_timeout)?;
         if client.add(&format!("joined/{rank}"), 1)? > 1 {
             return Err(CommError::Rendezvous(format!("two processes joined as RANK {rank}")));
         }
@@ -413,6 +513,12 @@ impl ProcessGroup {
         let t = tcp::TcpTransport::connect(rank, n, &mut client, ip, &cfg)?;
         let pg = ProcessGroup::new(Box::new(t), Backend::Tcp, cfg, (init.local_rank, init.local_world_size), server);
         pg.barrier()?;
+        // Every rank is through the rendezvous (and has mapped its peers' shared memory).
+        pg.inner.t.group_formed();
+        // The store serves nobody from now on.
+        if let Some(s) = &pg._store {
+            s.close();
+        }
         Ok(pg)
     }
 
@@ -447,6 +553,11 @@ impl ProcessGroup {
     pub fn backend(&self) -> Backend {
         self.inner.backend
     }
+    /// How this rank's data moves: "local" (threads), "tcp", "shm" (shared memory with every
+    /// peer) or "shm+tcp" (shared memory on this machine, TCP to the others).
+    pub fn data_path(&self) -> &'static str {
+        self.inner.t.data_path()
+    }
     pub fn config(&self) -> &CommConfig {
         &self.inner.cfg
     }
@@ -465,11 +576,12 @@ impl ProcessGroup {
         if self.inner.pending.load(Ordering::SeqCst) == 0 {
             f(&self.inner)
         } else {
-            self.submit(f).wait()
+            self.submit(f, ()).wait()
         }
     }
 
-    fn submit(&self, f: impl FnOnce(&Inner) -> CommResult<()> + Send + 'static) -> Work {
+    /// Queue `f` on the communication thread; `out` is handed back by [`Work::wait`].
+    fn submit<T>(&self, f: impl FnOnce(&Inner) -> CommResult<()> + Send + 'static, out: T) -> Work<T> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.inner.pending.fetch_add(1, Ordering::SeqCst);
         let job: Job = Box::new(move |inner: &Inner| {
@@ -484,7 +596,7 @@ impl ProcessGroup {
             inner.pending.fetch_sub(1, Ordering::SeqCst);
             let _ = tx.send((r, started, Instant::now()));
         });
-        let mut w = self.worker.lock().unwrap();
+        let mut w = relock(&self.worker);
         let (jobs, _) = w.get_or_insert_with(|| {
             let (jtx, jrx) = crossbeam_channel::unbounded::<Job>();
             let inner = self.inner.clone();
@@ -498,8 +610,9 @@ impl ProcessGroup {
                 .expect("spawn communication thread");
             (jtx, h)
         });
-        jobs.send(job).expect("communication thread alive");
-        Work { rx }
+        // If the thread were gone, the job (and its sender) is dropped and `wait` reports it.
+        let _ = jobs.send(job);
+        Work { rx, out }
     }
 
     /// Wait until every rank reached the barrier.
@@ -526,7 +639,7 @@ impl ProcessGroup {
         self.barrier()?;
         self.run(|i| {
             // The closing barrier's frames, which fast peers may already have sent, are expected.
-            let seq = i.state.lock().unwrap().seq;
+            let seq = relock(&i.state).seq;
             let next = OpDesc {
                 op: OpKind::Barrier,
                 seq,
@@ -596,6 +709,16 @@ impl ProcessGroup {
         })
     }
 
+    /// The algorithm `algo` stands for in this group (`Auto`: the best it has).
+    pub fn resolve(&self, op: OpKind, algo: Algo) -> Algo {
+        match algo {
+            Algo::Auto if self.inner.t.shared_buffers().is_some() => Algo::Direct,
+            Algo::Auto if op == OpKind::Broadcast => Algo::Tree,
+            Algo::Auto => Algo::Ring,
+            a => a,
+        }
+    }
+
     fn fail(&self, e: CommError) -> CommError {
         self.inner.t.abort(&e);
         e
@@ -608,6 +731,7 @@ impl ProcessGroup {
         algo: Algo,
     ) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
         self.inner.check_rank("broadcast: root", root)?;
+        let algo = self.resolve(OpKind::Broadcast, algo);
         let tb = dtype::TensorBytes::of(t, "broadcast").map_err(|e| self.fail(e))?;
         let keep = t.shallow_clone();
         Ok(move |i: &Inner| {
@@ -624,7 +748,8 @@ impl ProcessGroup {
             i.exec(spec, |c| match algo {
                 Algo::Naive => algo::broadcast_naive(c, tb.bytes_mut(), root),
                 Algo::Ring => algo::broadcast_ring(c, tb.bytes_mut(), root),
-                Algo::Tree => algo::broadcast_tree(c, tb.bytes_mut(), root),
+                Algo::Direct => algo::broadcast_direct(c, tb.bytes_mut(), root),
+                _ => algo::broadcast_tree(c, tb.bytes_mut(), root),
             })
         })
     }
@@ -637,9 +762,9 @@ impl ProcessGroup {
         let job = self.broadcast_job(t, root, algo)?;
         self.run(job)
     }
-    /// Non-blocking [`broadcast`](Self::broadcast).
-    pub fn broadcast_async(&self, t: &Tensor, root: usize) -> CommResult<Work> {
-        Ok(self.submit(self.broadcast_job(t, root, self.inner.cfg.broadcast_algo)?))
+    /// Non-blocking [`broadcast`](Self::broadcast): `t` comes back from [`Work::wait`].
+    pub fn broadcast_async(&self, t: Tensor, root: usize) -> CommResult<Work<Tensor>> {
+        Ok(self.submit(self.broadcast_job(&t, root, self.inner.cfg.broadcast_algo)?, t))
     }
 
     fn all_reduce_job(
@@ -649,6 +774,7 @@ impl ProcessGroup {
         algo: Algo,
     ) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
         let tb = dtype::TensorBytes::of(t, "all_reduce").map_err(|e| self.fail(e))?;
+        let algo = self.resolve(OpKind::AllReduce, algo);
         let keep = t.shallow_clone();
         Ok(move |i: &Inner| {
             let _keep = keep;
@@ -663,6 +789,7 @@ impl ProcessGroup {
             };
             i.exec(spec, |c| match algo {
                 Algo::Naive => algo::all_reduce_naive(c, tb.bytes_mut(), op),
+                Algo::Direct => algo::all_reduce_direct(c, tb.bytes_mut(), op),
                 _ => algo::all_reduce_ring(c, tb.bytes_mut(), op),
             })
         })
@@ -676,10 +803,10 @@ impl ProcessGroup {
         let job = self.all_reduce_job(t, op, algo)?;
         self.run(job)
     }
-    /// Non-blocking [`all_reduce`](Self::all_reduce): returns at once; `t` must not be touched
-    /// until [`Work::wait`] returns.
-    pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> CommResult<Work> {
-        Ok(self.submit(self.all_reduce_job(t, op, self.inner.cfg.all_reduce_algo)?))
+    /// Non-blocking [`all_reduce`](Self::all_reduce): returns at once; the reduced `t` comes
+    /// back from [`Work::wait`].
+    pub fn all_reduce_async(&self, t: Tensor, op: ReduceOp) -> CommResult<Work<Tensor>> {
+        Ok(self.submit(self.all_reduce_job(&t, op, self.inner.cfg.all_reduce_algo)?, t))
     }
 
     fn pair(&self, what: &str, big: &Tensor, small: &Tensor) -> CommResult<(dtype::TensorBytes, dtype::TensorBytes)> {
@@ -716,6 +843,7 @@ impl ProcessGroup {
         algo: Algo,
     ) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
         let (o, x) = self.pair("all_gather", out, input)?;
+        let algo = self.resolve(OpKind::AllGather, algo);
         let keep = (out.shallow_clone(), input.shallow_clone());
         Ok(move |i: &Inner| {
             let _keep = keep;
@@ -730,6 +858,7 @@ impl ProcessGroup {
             };
             i.exec(spec, |c| match algo {
                 Algo::Naive => algo::all_gather_naive(c, o.bytes_mut(), x.bytes()),
+                Algo::Direct => algo::all_gather_direct(c, o.bytes_mut(), x.bytes()),
                 _ => algo::all_gather_ring(c, o.bytes_mut(), x.bytes()),
             })
         })
@@ -744,9 +873,10 @@ impl ProcessGroup {
         let job = self.all_gather_job(out, input, algo)?;
         self.run(job)
     }
-    /// Non-blocking [`all_gather`](Self::all_gather).
-    pub fn all_gather_async(&self, out: &Tensor, input: &Tensor) -> CommResult<Work> {
-        Ok(self.submit(self.all_gather_job(out, input, self.inner.cfg.all_gather_algo)?))
+    /// Non-blocking [`all_gather`](Self::all_gather): `out` comes back from [`Work::wait`];
+    /// `input` is dropped when the operation is done.
+    pub fn all_gather_async(&self, out: Tensor, input: Tensor) -> CommResult<Work<Tensor>> {
+        Ok(self.submit(self.all_gather_job(&out, &input, self.inner.cfg.all_gather_algo)?, out))
     }
 
     fn reduce_scatter_job(
@@ -757,6 +887,7 @@ impl ProcessGroup {
         algo: Algo,
     ) -> CommResult<impl FnOnce(&Inner) -> CommResult<()> + Send + 'static> {
         let (x, o) = self.pair("reduce_scatter", input, out)?;
+        let algo = self.resolve(OpKind::ReduceScatter, algo);
         let keep = (out.shallow_clone(), input.shallow_clone());
         Ok(move |i: &Inner| {
             let _keep = keep;
@@ -771,6 +902,7 @@ impl ProcessGroup {
             };
             i.exec(spec, |c| match algo {
                 Algo::Naive => algo::reduce_scatter_naive(c, o.bytes_mut(), x.bytes(), op),
+                Algo::Direct => algo::reduce_scatter_direct(c, o.bytes_mut(), x.bytes(), op),
                 _ => algo::reduce_scatter_ring(c, o.bytes_mut(), x.bytes(), op),
             })
         })
@@ -785,9 +917,10 @@ impl ProcessGroup {
         let job = self.reduce_scatter_job(out, input, op, algo)?;
         self.run(job)
     }
-    /// Non-blocking [`reduce_scatter`](Self::reduce_scatter).
-    pub fn reduce_scatter_async(&self, out: &Tensor, input: &Tensor, op: ReduceOp) -> CommResult<Work> {
-        Ok(self.submit(self.reduce_scatter_job(out, input, op, self.inner.cfg.reduce_scatter_algo)?))
+    /// Non-blocking [`reduce_scatter`](Self::reduce_scatter): `out` comes back from
+    /// [`Work::wait`]; `input` is dropped when the operation is done.
+    pub fn reduce_scatter_async(&self, out: Tensor, input: Tensor, op: ReduceOp) -> CommResult<Work<Tensor>> {
+        Ok(self.submit(self.reduce_scatter_job(&out, &input, op, self.inner.cfg.reduce_scatter_algo)?, out))
     }
 }
 
@@ -801,7 +934,7 @@ impl Drop for ProcessGroup {
                 .t
                 .abort(&CommError::Aborted { by: self.rank(), reason: format!("rank {} panicked", self.rank()) });
         }
-        if let Some((jobs, h)) = self.worker.get_mut().unwrap().take() {
+        if let Some((jobs, h)) = self.worker.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
             drop(jobs);
             let _ = h.join();
         }

@@ -48,6 +48,35 @@ pub(crate) trait Transport: Send + Sync {
     /// rank has finished sending): the ranks ran different sequences of operations. Frames of
     /// `next` (the closing barrier, which fast peers may already have entered) are not stray.
     fn stray(&self, next: &OpDesc) -> Option<CommError>;
+    /// Every rank has joined (after rendezvous' barrier): drop what only joining needed.
+    fn group_formed(&self) {}
+    /// How data moves ("local", "tcp", "shm", "shm+tcp").
+    fn data_path(&self) -> &'static str;
+    /// Buffers that every rank reads directly (all ranks share memory), for the `Direct`
+    /// algorithms; `None` where they cannot run.
+    fn shared_buffers(&self) -> Option<&dyn Exchange> {
+        None
+    }
+}
+
+/// Buffers every rank can read directly (shared memory on one machine): the `Direct` algorithms
+/// run on these instead of on frames — the seam a device library (NCCL on GPU memory) fills the
+/// same way. One step: [`begin`](Exchange::begin), [`put`](Exchange::put) this rank's part,
+/// [`sync`](Exchange::sync) (publish; wait until every rank has published this step and check
+/// that all run the same operation), then read the peers' parts with [`theirs`](Exchange::theirs).
+/// `sync` may also be called again within a step (a second phase on the same buffers).
+pub(crate) trait Exchange {
+    /// Bytes of one rank's buffer.
+    fn capacity(&self) -> usize;
+    /// Start a step: the next of two alternating buffers (so a step's buffer is never written
+    /// while a slower peer still reads the previous step's).
+    fn begin(&self);
+    /// Copy `src` into this rank's buffer of the current step at byte `off`.
+    fn put(&self, desc: &OpDesc, off: usize, src: &[u8]) -> CommResult<()>;
+    /// Publish what was put and wait until every rank has published as often.
+    fn sync(&self, desc: &OpDesc, timeout: Duration) -> CommResult<()>;
+    /// `len` bytes at `off` of rank `p`'s buffer of the current step (after `sync`).
+    fn theirs(&self, p: usize, off: usize, len: usize) -> &[u8];
 }
 
 pub(crate) fn stray_error(me: usize, peer: usize, theirs: Option<&OpDesc>, at: &OpDesc) -> CommError {

@@ -44,7 +44,9 @@ struct Bucket {
     /// Offsets of each parameter's gradient in `flat`.
     offsets: Vec<i64>,
     /// (Σ numel,) f32: the bucket's gradients, all-reduced (average over dp) in one message.
+    /// Away (undefined) while its all-reduce runs: the `Work` holds it.
     flat: Tensor,
+    numel: i64,
     /// After this stage's backward every gradient in the bucket is final.
     ready_stage: usize,
 }
@@ -76,7 +78,7 @@ impl<'a> DdpBucketed<'a> {
                     n += params[i].numel() as i64;
                 }
                 let ready_stage = idx.iter().map(|&i| stages[i]).min().unwrap_or(0);
-                Bucket { params: idx, offsets, flat: Tensor::zeros([n], (Kind::Float, tch::Device::Cpu)), ready_stage }
+                Bucket { params: idx, offsets, flat: flat_buffer(n), numel: n, ready_stage }
             })
             .collect();
         Ok(DdpBucketed { pg, model, params, buckets, require_sync: true, stats: DdpStats::default() })
@@ -98,19 +100,24 @@ impl DataParallel for DdpBucketed<'_> {
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
         let DdpBucketed { pg, model, params, buckets, require_sync, stats } = self;
         let sync = *require_sync;
-        let mut works: Vec<(usize, Work)> = Vec::new();
+        let mut works: Vec<(usize, Work<Tensor>)> = Vec::new();
         let mut err = None;
         let t0 = Instant::now();
         let loss = staged_backward(&**model, batch, scale, |stage| {
             if !sync || err.is_some() {
                 return;
             }
-            for (bi, b) in buckets.iter().enumerate().filter(|(_, b)| b.ready_stage == stage) {
+            for (bi, b) in buckets.iter_mut().enumerate().filter(|(_, b)| b.ready_stage == stage) {
+                if !b.flat.defined() {
+                    b.flat = flat_buffer(b.numel); // lost with a failed step: start afresh
+                }
                 let g = grads(&b.params.iter().map(|&i| params[i].shallow_clone()).collect::<Vec<_>>());
                 for (g, &off) in g.iter().zip(&b.offsets) {
                     b.flat.narrow(0, off, g.numel() as i64).copy_(&g.view([-1]));
                 }
-                match pg.all_reduce_async(&b.flat, ReduceOp::Avg) {
+                // The bucket's buffer travels with the Work and comes back from `wait`.
+                let flat = std::mem::replace(&mut b.flat, Tensor::new());
+                match pg.all_reduce_async(flat, ReduceOp::Avg) {
                     Ok(w) => works.push((bi, w)),
                     Err(e) => {
                         err = Some(e);
@@ -134,9 +141,10 @@ impl DataParallel for DdpBucketed<'_> {
             return Err(e);
         }
         for (bi, r) in results {
-            let t = r?;
+            let (flat, t) = r?;
             stats.comm_s += (t.finished - t.started).as_secs_f64();
-            let b = &buckets[bi];
+            let b = &mut buckets[bi];
+            b.flat = flat;
             for (&i, &off) in b.params.iter().zip(&b.offsets) {
                 let mut g = params[i].grad();
                 g.copy_(&b.flat.narrow(0, off, g.numel() as i64).view_as(&g));
@@ -152,4 +160,8 @@ impl DataParallel for DdpBucketed<'_> {
     fn stats(&self) -> DdpStats {
         self.stats
     }
+}
+
+fn flat_buffer(n: i64) -> Tensor {
+    Tensor::zeros([n], (Kind::Float, tch::Device::Cpu))
 }

@@ -103,7 +103,7 @@ pub struct Zero<'a> {
     transient: u64,
     peak_transient: u64,
     /// In-flight all-gathers (stage 3): unit → (buffer, work).
-    pending: Vec<(usize, Tensor, Work)>,
+    pending: Vec<(usize, Work<Tensor>)>,
     /// Stage 3: free each block unit right after its forward (and recompute the block in
     /// backward) instead of keeping it gathered until its backward.
     reshard_after_forward: bool,
@@ -197,13 +197,15 @@ impl<'a> Zero<'a> {
     // ---- stage 3: materialise and release units ----
 
     fn gather_start(&mut self, u: usize) -> CommResult<()> {
-        if self.stage != Stage::Three || self.units[u].full.is_some() || self.pending.iter().any(|(p, _, _)| *p == u) {
+        if self.stage != Stage::Three || self.units[u].full.is_some() || self.pending.iter().any(|(p, _)| *p == u) {
             return Ok(());
         }
         let out = Tensor::empty([self.units[u].layout.padded], (Kind::Float, tch::Device::Cpu));
         self.track(4 * self.units[u].layout.padded);
-        let w = self.pg.all_gather_async(&out, &self.units[u].shard)?; // (padded,) f32 from N shards
-        self.pending.push((u, out, w));
+        // (padded,) f32 from N shards. The shard is a parameter the optimizer writes only after
+        // every gather of the step has been waited on, so the op may read it through this alias.
+        let w = self.pg.all_gather_async(out, self.units[u].shard.shallow_clone())?;
+        self.pending.push((u, w));
         Ok(())
     }
 
@@ -212,10 +214,10 @@ impl<'a> Zero<'a> {
             return Ok(());
         }
         self.gather_start(u)?;
-        let pos = self.pending.iter().position(|(p, _, _)| *p == u).expect("started above");
-        let (_, out, w) = self.pending.remove(pos);
+        let pos = self.pending.iter().position(|(p, _)| *p == u).expect("started above");
+        let (_, w) = self.pending.remove(pos);
         let t0 = Instant::now();
-        let t = w.wait_timed()?;
+        let (out, t) = w.wait_timed()?;
         self.stats.gather_exposed_s += t0.elapsed().as_secs_f64();
         self.stats.gather_s += (t.finished - t.started).as_secs_f64();
         let unit = &mut self.units[u];
@@ -246,7 +248,7 @@ impl<'a> Zero<'a> {
 
     fn wait_all(&mut self) -> CommResult<()> {
         let mut first = None;
-        for (_, _, w) in std::mem::take(&mut self.pending) {
+        for (_, w) in std::mem::take(&mut self.pending) {
             if let Err(e) = w.wait() {
                 first.get_or_insert(e);
             }
@@ -329,11 +331,13 @@ impl DataParallel for Zero<'_> {
             let mut works = Vec::new();
             for u in &self.units {
                 let input = u.shard.copy(); // the output buffer contains the shard: gather from a copy
-                let full = u.full.as_ref().expect("stages 1-2 keep full parameters");
-                works.push((self.pg.all_gather_async(full, &input)?, input));
+                                            // The full buffer stays in the unit (the parameters are views of it); nothing
+                                            // reads or writes them until every gather below has been waited on.
+                let full = u.full.as_ref().expect("stages 1-2 keep full parameters").shallow_clone();
+                works.push(self.pg.all_gather_async(full, input)?);
             }
-            for (w, _) in works {
-                w.wait()?;
+            for w in works {
+                drop(w.wait()?); // the gathered buffer is the unit's own `full`
             }
         }
         Ok(())
@@ -342,11 +346,11 @@ impl DataParallel for Zero<'_> {
 
 impl Zero<'_> {
     /// Wait for one gradient reduction; stages 2-3 add the averaged shard and free the full gradient.
-    fn finish_reduction(&mut self, (u, out, w): (usize, Tensor, Work), apply: bool) -> CommResult<()> {
+    fn finish_reduction(&mut self, (u, w): (usize, Work<Tensor>), apply: bool) -> CommResult<()> {
         let t0 = Instant::now();
         let r = w.wait_timed();
         self.stats.exposed_s += t0.elapsed().as_secs_f64();
-        let t = r?;
+        let (out, t) = r?;
         self.stats.comm_s += (t.finished - t.started).as_secs_f64();
         self.stats.bytes += (out.numel() * 4) as u64;
         if apply {
@@ -401,7 +405,7 @@ impl Zero<'_> {
         let loss = outputs[n - 1].double_value(&[]);
         // ---- backward, last stage first ----
         let sync = self.require_sync || self.stage != Stage::One;
-        let mut reductions: Vec<(usize, Tensor, Work)> = Vec::new();
+        let mut reductions: Vec<(usize, Work<Tensor>)> = Vec::new();
         let mut g_next = Tensor::new();
         for s in (0..n).rev() {
             let unit = self.block_unit(s, &stage_uses);
@@ -450,8 +454,10 @@ impl Zero<'_> {
                     }
                     let Some(gf) = self.units[u].grad_full.as_ref() else { continue };
                     let out = Tensor::empty([self.units[u].layout.shard], (Kind::Float, tch::Device::Cpu));
-                    let w = self.pg.reduce_scatter_async(&out, gf, ReduceOp::Avg)?; // (shard,) of grads averaged over dp
-                    reductions.push((u, out, w));
+                    // (shard,) of grads averaged over dp. The unit keeps its full gradient (freed
+                    // or zeroed in finish_reduction, after the wait); the op reads it through this alias.
+                    let w = self.pg.reduce_scatter_async(out, gf.shallow_clone(), ReduceOp::Avg)?;
+                    reductions.push((u, w));
                     // Keep at most two reductions in flight: finishing the older one frees its
                     // unit's full gradient (stages 2-3), so gradients never pile up to 4Ψ.
                     if reductions.len() > 2 {

@@ -1,0 +1,267 @@
+//! Failures in the middle of a collective: a rank killed (SIGKILL) or aborting half-way through
+//! a frame, anywhere in the ring, must leave every survivor with an error — never `Ok` with data
+//! that did not arrive — and an abort must reach ranks that are only *sending* to the failed
+//! rank within about a second, with the peer timeout left at 300 s (a regression shows as a test
+//! that overruns its own short deadline instead of as a 5-minute hang).
+//!
+//! Faults are injected at exact byte offsets with `CommConfig::fault` (see `comm::Fault`).
+
+use shardlab::comm::{segment, Fault};
+use shardlab::prelude::*;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The peer timeout stays long: nobody may be released by a timeout.
+const LONG: Duration = Duration::from_secs(300);
+/// How long after the failure every survivor must have its error.
+const PROMPT_MS: u128 = 1500;
+
+fn now_ms() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis()
+}
+
+/// "@<ms> <message>": when a rank saw its error, for the promptness checks.
+fn stamped(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!("@{} {e}", now_ms())
+}
+
+fn stamp_of(msg: &str) -> Option<u128> {
+    msg.strip_prefix('@')?.split_once(' ')?.0.parse().ok()
+}
+
+fn child_args(test: &str) -> Vec<String> {
+    vec!["--exact".into(), test.into(), "--nocapture".into(), "--test-threads=1".into()]
+}
+
+/// Four all_reduces (collectives #1–#4; #0 is rendezvous' barrier) of `numel` f32 on every rank,
+/// each result checked against the exact sum: over TCP the ring algorithm, with shared memory the
+/// direct one. Rank `victim` fails after `after` payload bytes of collective #2 (`kill`: SIGKILL;
+/// else it aborts and its process stays alive 3 s).
+#[allow(clippy::too_many_arguments)]
+fn ring_job(
+    path: DataPath,
+    n: usize,
+    numel: i64,
+    victim: usize,
+    after: usize,
+    kill: bool,
+    launch: Launch,
+    test: &str,
+) -> Vec<(usize, String)> {
+    let cfg = CommConfig {
+        transport: path,
+        chunk_bytes: 64 << 10,         // many frames per step, so the fault lands inside one
+        shm_exchange_bytes: 256 << 10, // several exchange steps per all_reduce
+        fault: Some(Fault { rank: victim, seq: 2, after_bytes: after, kill }),
+        ..CommConfig::default().with_timeout(LONG)
+    };
+    let mut opts = SpawnOptions::new(n, Backend::Tcp).launch(launch).config(cfg);
+    if launch == Launch::Processes {
+        opts = opts.child_args(child_args(test));
+    }
+    let t = std::time::Instant::now();
+    let e = spawn_with(opts, move |pg| {
+        // A process rank re-runs the test up to its first spawn call: take the world from the
+        // group, not from the loop (the fault comes with the config, which the parent passes).
+        let (r, n) = (pg.rank(), pg.world_size());
+        for i in 0..4 {
+            let mut t = Tensor::full([numel], (r + 1 + 10 * i) as f64, (Kind::Float, Device::Cpu));
+            if let Err(e) = pg.all_reduce(&mut t, ReduceOp::Sum) {
+                if r == victim && !kill {
+                    std::thread::sleep(Duration::from_secs(3)); // the failed rank's process stays alive
+                }
+                return Err(stamped(e));
+            }
+            // Exact in f32: small integers.
+            let want = (n * (n + 1) / 2 + 10 * i * n) as f64;
+            let (lo, hi) = (t.min().double_value(&[]), t.max().double_value(&[]));
+            anyhow::ensure!(lo == want && hi == want, "WRONG DATA in all_reduce {i}: [{lo}, {hi}], want {want}");
+        }
+        Ok(())
+    })
+    .expect_err("the victim fails, so the job must fail");
+    assert!(t.elapsed() < Duration::from_secs(60), "n={n} after={after}: took {:?}", t.elapsed());
+    e.failures
+}
+
+/// Every rank failed, none holds wrong data, and the survivors failed promptly.
+fn check(n: usize, victim: usize, kill: bool, failures: &[(usize, String)], what: &str) {
+    let text = failures.iter().map(|(r, m)| format!("rank {r}: {m}")).collect::<Vec<_>>().join("\n");
+    assert!(!text.contains("WRONG DATA"), "{what}: a rank returned Ok with data that did not arrive:\n{text}");
+    assert_eq!(failures.len(), n, "{what}: every rank must fail:\n{text}");
+    let victim_msg = &failures.iter().find(|f| f.0 == victim).unwrap().1;
+    if kill {
+        assert!(victim_msg.contains("signal: 9"), "{what}: {victim_msg}");
+    } else {
+        let at = stamp_of(victim_msg).unwrap_or_else(|| panic!("{what}: {victim_msg}"));
+        for (r, m) in failures.iter().filter(|f| f.0 != victim) {
+            let seen = stamp_of(m).unwrap_or_else(|| panic!("{what}: rank {r}: {m}"));
+            // The victim's stamp is taken after its own error returns; survivors may be earlier.
+            assert!(seen <= at + PROMPT_MS, "{what}: rank {r} learned of the failure {} ms late: {m}", seen - at);
+        }
+    }
+    for (r, m) in failures.iter().filter(|f| f.0 != victim) {
+        assert!(!m.contains("timed out"), "{what}: rank {r} was released by the timeout: {m}");
+    }
+}
+
+/// Where to fail rank `r` in a ring all_reduce of `numel` f32 over `n` ranks (payload bytes it
+/// has sent): in its first frame, half-way, just inside its last step, and inside its very last
+/// frame. Its messages, in order: reduce-scatter step s sends segment r−s, all-gather step s
+/// sends segment r+1−s (`algo::all_reduce_ring`).
+fn ring_points(n: usize, numel: usize, r: usize) -> Vec<usize> {
+    let seg = |i: usize| segment(numel, n, i % n, 4).len();
+    let sends: Vec<usize> = (0..n - 1).map(|s| seg(r + n - s)).chain((0..n - 1).map(|s| seg(r + 1 + n - s))).collect();
+    let total: usize = sends.iter().sum();
+    let last = *sends.last().unwrap();
+    vec![100, total / 2 + 6, total - last + 2, total - 10]
+}
+
+/// The same for the direct algorithm: a rank puts its whole buffer into shared memory over
+/// each all_reduce (its own segment last, once reduced), 256 KiB at a time.
+fn fault_points(path: DataPath, n: usize, numel: usize, r: usize) -> Vec<usize> {
+    match path {
+        DataPath::Shm => vec![100, numel * 2 + 6, numel * 4 - 10],
+        _ => ring_points(n, numel, r),
+    }
+}
+
+/// Paths and world sizes the fault tests run.
+const CASES: [(DataPath, usize); 3] = [(DataPath::Tcp, 4), (DataPath::Tcp, 5), (DataPath::Shm, 4)];
+
+#[test]
+fn killed_rank_mid_frame_never_leaves_ok_with_missing_data() {
+    for (path, n) in CASES {
+        let numel = 1 << 18; // 1 MiB per rank
+        for after in fault_points(path, n, numel, 2) {
+            let f = ring_job(
+                path,
+                n,
+                numel as i64,
+                2,
+                after,
+                true,
+                Launch::Processes,
+                "killed_rank_mid_frame_never_leaves_ok_with_missing_data",
+            );
+            check(n, 2, true, &f, &format!("SIGKILL {path:?} n={n} after={after}"));
+        }
+    }
+}
+
+/// A rank that aborts half-way through a frame while its process stays alive (its connections
+/// stay open: nobody sees them close).
+fn aborting_rank(launch: Launch, test: &str) {
+    for (path, n) in CASES {
+        let numel = 1 << 18;
+        for after in fault_points(path, n, numel, 2) {
+            let f = ring_job(path, n, numel as i64, 2, after, false, launch, test);
+            check(n, 2, false, &f, &format!("abort {launch:?} {path:?} n={n} after={after}"));
+        }
+    }
+}
+
+#[test]
+fn aborting_thread_rank_mid_frame_never_leaves_ok_with_missing_data() {
+    aborting_rank(Launch::Threads, "");
+}
+
+#[test]
+fn aborting_process_rank_mid_frame_never_leaves_ok_with_missing_data() {
+    // (A child process runs the first spawn it reaches as its rank: one launch kind per test.)
+    aborting_rank(Launch::Processes, "aborting_process_rank_mid_frame_never_leaves_ok_with_missing_data");
+}
+
+/// Every rank runs `op` on thread ranks of `backend` (one of them fails inside it); the failures.
+fn sender_job<F>((backend, path): (Backend, DataPath), n: usize, op: F) -> Vec<(usize, String)>
+where
+    F: Fn(&ProcessGroup) -> CommResult<()> + Send + Sync,
+{
+    let config = CommConfig { transport: path, ..CommConfig::default().with_timeout(LONG) };
+    let opts = SpawnOptions::new(n, backend).launch(Launch::Threads).config(config);
+    let t = std::time::Instant::now();
+    // The closing barrier stamps the ranks whose own operation completed before the failure.
+    let e = spawn_with(opts, |pg| op(pg).and_then(|_| pg.barrier()).map_err(stamped))
+        .expect_err("one rank fails, so the job must fail");
+    assert!(t.elapsed() < Duration::from_secs(30), "{backend:?} {path:?}: took {:?}", t.elapsed());
+    e.failures
+}
+
+fn big() -> Tensor {
+    Tensor::ones([16 << 20], (Kind::Float, Device::Cpu)) // 64 MiB: far more than the socket buffers hold
+}
+
+/// The victim's message carries "FAILING@<ms>" (when it failed); everyone else must have had its
+/// error by then + PROMPT_MS.
+fn check_prompt(failures: &[(usize, String)], n: usize, what: &str) {
+    let text = failures.iter().map(|(r, m)| format!("rank {r}: {m}")).collect::<Vec<_>>().join("\n");
+    assert_eq!(failures.len(), n, "{what}: every rank must fail:\n{text}");
+    let victim_stamp = |m: &str| m.split("FAILING@").nth(1)?.split_once(' ')?.0.parse::<u128>().ok();
+    let at = failures.iter().find_map(|(_, m)| victim_stamp(m));
+    let at = at.unwrap_or_else(|| panic!("{what}: no victim stamp:\n{text}"));
+    for (r, m) in failures.iter().filter(|(_, m)| victim_stamp(m).is_none()) {
+        let seen = stamp_of(m).unwrap_or_else(|| panic!("{what}: rank {r}: {m}"));
+        assert!(
+            seen <= at + PROMPT_MS,
+            "{what}: rank {r} learned of the failure {} ms late:\n{text}",
+            seen.saturating_sub(at)
+        );
+        assert!(!m.contains("timed out"), "{what}: rank {r} was released by the timeout: {m}");
+    }
+}
+
+/// The victim fails (stamping when) after sleeping `ms`, while its peers are blocked sending to it.
+fn fail_after(pg: &ProcessGroup, ms: u64, how: impl FnOnce() -> CommResult<()>) -> CommResult<()> {
+    std::thread::sleep(Duration::from_millis(ms));
+    let at = now_ms();
+    let r = how();
+    std::thread::sleep(Duration::from_millis(2000)); // stays alive after failing
+    r.map_err(|e| CommError::Aborted { by: pg.rank(), reason: format!("FAILING@{at} {e}") })
+}
+
+#[test]
+fn abort_reaches_ranks_that_only_send() {
+    // Threads; processes over TCP frames; processes sharing memory (rings for send/recv, the
+    // direct algorithms for the collectives).
+    for backend in [(Backend::Local, DataPath::Auto), (Backend::Tcp, DataPath::Tcp), (Backend::Tcp, DataPath::Shm)] {
+        // send: rank 0 pushes 64 MiB to rank 1, which gives up instead of receiving.
+        let f = sender_job(backend, 2, |pg| {
+            if pg.rank() == 0 {
+                pg.send(&big(), 1)
+            } else {
+                fail_after(pg, 300, || {
+                    pg.abort("rank 1 gives up");
+                    Err(CommError::InvalidArgument("gave up".into()))
+                })
+            }
+        });
+        check_prompt(&f, 2, &format!("{backend:?} send"));
+        // Naive broadcast: the root sends to rank 1, then to rank 2, which fails on a bad argument.
+        let f = sender_job(backend, 3, |pg| {
+            let mut t = big();
+            if pg.rank() == 2 {
+                fail_after(pg, 300, || pg.broadcast_with(&mut t, 7, Algo::Naive))
+            } else {
+                pg.broadcast_with(&mut t, 0, Algo::Naive)
+            }
+        });
+        check_prompt(&f, 3, &format!("{backend:?} naive broadcast"));
+        // Naive all_reduce: the non-roots send to rank 0, which fails on a bad tensor.
+        let f = sender_job(backend, 3, |pg| {
+            if pg.rank() == 0 {
+                fail_after(pg, 300, || pg.all_reduce_with(&mut big().to_kind(Kind::Int), ReduceOp::Sum, Algo::Naive))
+            } else {
+                pg.all_reduce_with(&mut big(), ReduceOp::Sum, Algo::Naive)
+            }
+        });
+        check_prompt(&f, 3, &format!("{backend:?} naive all_reduce"));
+        // The default all_reduce (direct on shared memory): rank 2 fails while the others wait.
+        let f = sender_job(backend, 3, |pg| {
+            if pg.rank() == 2 {
+                fail_after(pg, 300, || pg.all_reduce(&mut big().to_kind(Kind::Int), ReduceOp::Sum))
+            } else {
+                pg.all_reduce(&mut big(), ReduceOp::Sum)
+            }
+        });
+        check_prompt(&f, 3, &format!("{backend:?} default all_reduce"));
+    }
+}
