@@ -28,8 +28,8 @@ pub use serde_json;
 /// Everything a lesson, bin or notebook usually needs.
 pub mod prelude {
     pub use crate::comm::{
-        Algo, Backend, CommConfig, CommError, DataPath, CommResult, CommStats, DType, ProcessGroup, ReduceOp, TcpInit, Work,
-        WorkTiming,
+        Algo, Backend, CommConfig, CommError, CommResult, CommStats, DType, DataPath, ProcessGroup, ReduceOp, TcpInit,
+        Work, WorkTiming,
     };
     pub use crate::data::{synthetic_corpus, DistributedSampler, Tokens};
     pub use crate::ddp::{DataParallel, DdpBucketed, DdpNaive, DdpStats, Variant};

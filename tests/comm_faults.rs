@@ -107,7 +107,7 @@ fn check(n: usize, victim: usize, kill: bool, failures: &[(usize, String)], what
 /// Where to fail rank `r` in a ring all_reduce of `numel` f32 over `n` ranks (payload bytes it
 /// has sent): in its first frame, half-way, just inside its last step, and inside its very last
 /// frame. Its messages, in order: reduce-scatter step s sends segment r−s, all-gather step s
-/// sends segment r+1−s (`algo::all_reduce_ring`).
+/// sends segment r+1−s (`algo::ring::all_reduce`).
 fn ring_points(n: usize, numel: usize, r: usize) -> Vec<usize> {
     let seg = |i: usize| segment(numel, n, i % n, 4).len();
     let sends: Vec<usize> = (0..n - 1).map(|s| seg(r + n - s)).chain((0..n - 1).map(|s| seg(r + 1 + n - s))).collect();

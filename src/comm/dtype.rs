@@ -104,7 +104,7 @@ fn typed<T>(b: &[u8]) -> &[T] {
     }
     let s = std::mem::size_of::<T>();
     assert!(
-        b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0,
+        (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) && b.len().is_multiple_of(s),
         "misaligned {:p} {} {}",
         b.as_ptr(),
         b.len(),
@@ -118,7 +118,7 @@ fn typed_mut<T>(b: &mut [u8]) -> &mut [T] {
     }
     let s = std::mem::size_of::<T>();
     assert!(
-        b.as_ptr() as usize % std::mem::align_of::<T>() == 0 && b.len() % s == 0,
+        (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) && b.len().is_multiple_of(s),
         "misaligned {:p} {} {}",
         b.as_ptr(),
         b.len(),
@@ -275,15 +275,18 @@ pub(crate) fn divide(dtype: DType, dst: &mut [u8], n: usize) {
     }
 }
 
-/// A contiguous CPU tensor's storage seen as bytes, with its dtype and element count.
+/// A contiguous CPU tensor's storage seen as bytes, with its dtype and element count. It holds a
+/// handle of the tensor, so the storage lives as long as the view (an operation that runs after
+/// its caller dropped the tensor still writes valid memory).
 pub(crate) struct TensorBytes {
     ptr: *mut u8,
     pub len: usize,
     pub dtype: DType,
     pub numel: usize,
+    _storage: Tensor,
 }
 
-// The pointer refers to libtorch storage kept alive by the caller's tensor handle.
+// The pointer refers to libtorch storage kept alive by `_storage`.
 unsafe impl Send for TensorBytes {}
 
 impl TensorBytes {
@@ -313,7 +316,7 @@ impl TensorBytes {
         let numel = t.numel();
         let ptr =
             if numel == 0 { std::ptr::NonNull::<u64>::dangling().as_ptr() as *mut u8 } else { t.data_ptr() as *mut u8 };
-        Ok(TensorBytes { ptr, len: numel * dtype.size(), dtype, numel })
+        Ok(TensorBytes { ptr, len: numel * dtype.size(), dtype, numel, _storage: t.shallow_clone() })
     }
     pub fn bytes(&self) -> &[u8] {
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }

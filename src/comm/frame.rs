@@ -1,7 +1,7 @@
 //! The unit on the wire: a 48-byte header describing the collective it belongs to, then a payload.
 //!
 //! Every frame repeats the full description of its operation (kind, sequence number, dtype, element
-//! count, root/op/algorithm), so a receiver checks each frame against what *it* is running and two
+//! count, origin/reduction/algorithm), so a receiver checks each frame against what *it* is running and two
 //! ranks that disagree are caught at the first byte they exchange instead of corrupting data or
 //! hanging.
 
@@ -19,7 +19,8 @@ pub(crate) const MAX_FRAME: usize = 64 << 20;
 #[repr(u8)]
 pub enum OpKind {
     Barrier = 1,
-    Send = 2,
+    /// A point-to-point message: one rank's `send` and the matching `recv` on its peer.
+    P2p = 2,
     Broadcast = 3,
     AllReduce = 4,
     AllGather = 5,
@@ -30,7 +31,7 @@ impl OpKind {
     pub fn name(self) -> &'static str {
         match self {
             OpKind::Barrier => "barrier",
-            OpKind::Send => "send/recv",
+            OpKind::P2p => "send/recv",
             OpKind::Broadcast => "broadcast",
             OpKind::AllReduce => "all_reduce",
             OpKind::AllGather => "all_gather",
@@ -40,7 +41,7 @@ impl OpKind {
     fn from_u8(v: u8) -> Option<Self> {
         Some(match v {
             1 => OpKind::Barrier,
-            2 => OpKind::Send,
+            2 => OpKind::P2p,
             3 => OpKind::Broadcast,
             4 => OpKind::AllReduce,
             5 => OpKind::AllGather,
@@ -59,18 +60,30 @@ pub struct OpDesc {
     pub dtype: DType,
     /// Elements of the tensor the op is called with (all_gather: the input; reduce_scatter: the input).
     pub numel: u64,
-    /// Root rank (broadcast), else 0.
-    pub root: u32,
+    /// The rank the data comes from, where one rank is the source: broadcast's root, a
+    /// message's sender; else 0.
+    pub origin: u32,
     pub reduce: Option<ReduceOp>,
     /// Algorithm code (see `Algo`), so ranks running different algorithms are caught too.
     pub algo: u8,
 }
 
+impl OpDesc {
+    /// `op` on `numel` elements of `dtype`: sequence number 0 (the backend numbers it when it
+    /// runs), origin 0, no reduction, the naive algorithm. Set the other fields with struct
+    /// update syntax: `OpDesc { origin: root as u32, ..OpDesc::new(..) }`.
+    pub fn new(op: OpKind, dtype: DType, numel: usize) -> Self {
+        OpDesc { op, seq: 0, dtype, numel: numel as u64, origin: 0, reduce: None, algo: super::Algo::Naive as u8 }
+    }
+}
+
 impl std::fmt::Display for OpDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} #{} ({} × {}", self.op.name(), self.seq, self.numel, self.dtype.name())?;
-        if self.op == OpKind::Broadcast {
-            write!(f, ", root {}", self.root)?;
+        match self.op {
+            OpKind::Broadcast => write!(f, ", root {}", self.origin)?,
+            OpKind::P2p => write!(f, ", from rank {}", self.origin)?,
+            _ => {}
         }
         if let Some(r) = self.reduce {
             write!(f, ", {r:?}")?;
@@ -99,7 +112,7 @@ pub(crate) fn encode_header(kind: FrameKind, d: &OpDesc, len: usize) -> [u8; HEA
     h[7] = d.reduce.map(|r| r as u8).unwrap_or(0);
     h[8..16].copy_from_slice(&d.seq.to_le_bytes());
     h[16..24].copy_from_slice(&d.numel.to_le_bytes());
-    h[24..28].copy_from_slice(&d.root.to_le_bytes());
+    h[24..28].copy_from_slice(&d.origin.to_le_bytes());
     h[28] = d.algo;
     h[32..40].copy_from_slice(&(len as u64).to_le_bytes());
     h
@@ -132,15 +145,16 @@ pub(crate) fn decode_header(h: &[u8; HEADER_LEN]) -> CommResult<(FrameKind, OpDe
         seq: u64::from_le_bytes(h[8..16].try_into().unwrap()),
         dtype,
         numel: u64::from_le_bytes(h[16..24].try_into().unwrap()),
-        root: u32::from_le_bytes(h[24..28].try_into().unwrap()),
+        origin: u32::from_le_bytes(h[24..28].try_into().unwrap()),
         reduce: ReduceOp::from_u8(h[7]),
         algo: h[28],
     };
     Ok((kind, desc, len as usize))
 }
 
+/// The description Abort and Leave frames carry (nothing).
 pub(crate) const NO_DESC: OpDesc =
-    OpDesc { op: OpKind::Barrier, seq: 0, dtype: DType::F32, numel: 0, root: 0, reduce: None, algo: 0 };
+    OpDesc { op: OpKind::Barrier, seq: 0, dtype: DType::F32, numel: 0, origin: 0, reduce: None, algo: 0 };
 
 /// A received payload in a recycled, 8-byte aligned buffer.
 pub(crate) struct Buf {

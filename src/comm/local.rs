@@ -1,6 +1,7 @@
-//! Backend `local`: every rank is a thread of one process. A "send" copies the payload into a
-//! pooled buffer and pushes it onto the receiver's queue for that sender — shared memory, one copy
-//! each way. Fast to start, ideal for notebooks and tests; the algorithms are the same as over TCP.
+//! Transport `local` ([`Backend::Local`](super::Backend)): every rank is a thread of one
+//! process. A "send" copies the payload into a pooled buffer and pushes it onto the receiver's
+//! queue for that sender — shared memory, one copy each way. Fast to start, ideal for notebooks
+//! and tests; the algorithms are the same as over TCP.
 //!
 //! A failure anywhere *poisons* the receiving side and wakes every waiter, so a rank blocked on
 //! peer A still learns at once that peer B died.
@@ -142,7 +143,7 @@ impl Transport for LocalTransport {
         // Sends never block here, so interleaving chunk by chunk keeps both sides moving.
         let (mut s, mut off) = (0usize, 0usize);
         let (mut sent_any, mut recv_any) = (false, false);
-        while !(sent_any && s >= payload.len()) || !(recv_any && off >= r.total) {
+        while !(sent_any && s >= payload.len() && recv_any && off >= r.total) {
             if !sent_any || s < payload.len() {
                 let e = (s + chunk).min(payload.len());
                 self.send_frame(to, desc, &payload[s..e])?;

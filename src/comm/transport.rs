@@ -1,7 +1,9 @@
-//! What a backend provides to the collective algorithms: ordered, reliable, checked frames between
-//! every pair of ranks, a simultaneous send+receive (`exchange`, the heart of every ring step), and
-//! a way to fail loudly. `local` (threads) and `tcp` (processes/machines) implement it; the
-//! algorithms in `algo` are written once against it.
+//! What a transport provides to the host backend's algorithms: ordered, reliable, checked frames
+//! between every pair of ranks, a simultaneous send+receive (`exchange`, the heart of every ring
+//! step), and a way to fail loudly. `local` (threads, [`Backend::Local`](super::Backend)) and
+//! `tcp` (processes/machines, [`Backend::Tcp`](super::Backend)) implement it; the algorithms in
+//! `algo` are written once against it. (A backend that runs whole collectives itself, such as
+//! NCCL, sits above this layer: see [`CommBackend`](super::CommBackend).)
 
 use super::error::{CommError, CommResult};
 use super::frame::OpDesc;
@@ -20,7 +22,7 @@ pub(crate) struct Recv<'a> {
     pub on_data: OnData<'a>,
 }
 
-/// A backend's point-to-point layer.
+/// A transport: the point-to-point layer under the host backend.
 pub(crate) trait Transport: Send + Sync {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
@@ -60,8 +62,7 @@ pub(crate) trait Transport: Send + Sync {
 }
 
 /// Buffers every rank can read directly (shared memory on one machine): the `Direct` algorithms
-/// run on these instead of on frames — the seam a device library (NCCL on GPU memory) fills the
-/// same way. One step: [`begin`](Exchange::begin), [`put`](Exchange::put) this rank's part,
+/// run on these instead of on frames. One step: [`begin`](Exchange::begin), [`put`](Exchange::put) this rank's part,
 /// [`sync`](Exchange::sync) (publish; wait until every rank has published this step and check
 /// that all run the same operation), then read the peers' parts with [`theirs`](Exchange::theirs).
 /// `sync` may also be called again within a step (a second phase on the same buffers).
@@ -98,7 +99,7 @@ pub(crate) fn check_frame(
     if theirs != mine {
         return Err(CommError::Mismatch(format!("rank {me} is running {mine} but rank {peer} sent data for {theirs}")));
     }
-    if len > room || len % mine.dtype.size() != 0 || (len == 0 && room > 0) {
+    if len > room || !len.is_multiple_of(mine.dtype.size()) || (len == 0 && room > 0) {
         return Err(CommError::Protocol(format!(
             "rank {peer} sent a {len}-byte frame where rank {me} expected {room} more bytes in {mine}"
         )));

@@ -73,7 +73,7 @@ impl Exchange for TcpTransport {
                 let mut h = [0u8; HEADER_LEN];
                 if self.peer(p).data.peek(&mut h) == HEADER_LEN {
                     if let Ok((FrameKind::Data, theirs, _)) = frame::decode_header(&h) {
-                        if theirs.op != OpKind::Send && theirs.seq == desc.seq {
+                        if theirs.op != OpKind::P2p && theirs.seq == desc.seq {
                             return Err(CommError::Mismatch(format!(
                                 "rank {} is running {desc} but rank {p} sent data for {theirs}",
                                 self.rank
@@ -117,7 +117,7 @@ impl TcpTransport {
     /// one step ahead in a *later* collective, and point-to-point calls are not ordered with
     /// collectives.)
     pub(super) fn peer_ahead_in_exchange(&self, desc: &OpDesc) -> Option<CommError> {
-        let segs = self.direct.as_ref().filter(|_| desc.op != OpKind::Send)?;
+        let segs = self.direct.as_ref().filter(|_| desc.op != OpKind::P2p)?;
         let mine = segs[self.rank].epoch().load(Ordering::Relaxed);
         for (p, s) in segs.iter().enumerate() {
             if s.epoch().load(Ordering::Acquire) <= mine {

@@ -164,7 +164,7 @@ impl TcpTransport {
     fn progress_send(&self, desc: &OpDesc, st: &mut SendState) -> CommResult<bool> {
         let peer = self.peer(st.peer);
         let _w = relock(&peer.wlock);
-        let fault = self.fault.filter(|f| f.seq == desc.seq && desc.op != OpKind::Send);
+        let fault = self.fault.filter(|f| f.seq == desc.seq && desc.op != OpKind::P2p);
         let mut moved = false;
         while !st.done() {
             if st.hdr_pos == HEADER_LEN && st.pos == st.end {

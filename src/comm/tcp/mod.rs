@@ -1,5 +1,6 @@
-//! Backend `tcp`: ranks are processes (on one or several machines) joined by a full mesh of TCP
-//! connections; rendezvous goes through the [`store`](super::store) hosted by rank 0.
+//! Transport `tcp` ([`Backend::Tcp`](super::super::Backend)): ranks are processes (on one or
+//! several machines) joined by a full mesh of TCP connections; rendezvous goes through the
+//! [`store`](super::store) hosted by rank 0.
 //!
 //! One concern per file:
 //! * [`mesh`] — who connects to whom, handshakes (a data and a control connection per pair);
@@ -17,12 +18,12 @@ mod engine;
 mod mesh;
 mod shm;
 
+use super::config::{CommConfig, DataPath, Fault};
 use super::error::{CommError, CommResult};
 use super::frame::{self, FrameKind, OpDesc, HEADER_LEN};
 use super::relock;
 use super::store::StoreClient;
 use super::transport::{stray_error, Recv, Transport};
-use super::{CommConfig, DataPath, Fault};
 use engine::{RecvState, SendState, STAGING};
 use std::io::{IoSlice, Read, Write};
 use std::net::{IpAddr, Shutdown, TcpStream};
@@ -198,15 +199,13 @@ impl TcpTransport {
     }
 }
 
+/// A rank's shared-memory segment, if it has one.
+type Seg = Option<Arc<shm::Segment>>;
+
 /// Decide, with every peer, which pairs use shared memory, and map their segments: our own
 /// segment (if any peer uses it) and, per peer, the peer's segment (None: TCP). Both ranks of a
 /// pair decide alike: shared memory iff both offered a segment and they run on the same machine.
-fn shm_setup(
-    rank: usize,
-    world: usize,
-    store: &mut StoreClient,
-    cfg: &CommConfig,
-) -> CommResult<(Option<Arc<shm::Segment>>, Vec<Option<Arc<shm::Segment>>>)> {
+fn shm_setup(rank: usize, world: usize, store: &mut StoreClient, cfg: &CommConfig) -> CommResult<(Seg, Vec<Seg>)> {
     let rdv = |m: String| CommError::Rendezvous(format!("rank {rank}: {m}"));
     let host = shm::host_id();
     let mine = match cfg.transport {
@@ -229,7 +228,7 @@ fn shm_setup(
     };
     store.set(&format!("shm/{rank}"), offer.as_bytes())?;
     let deadline = std::time::Instant::now() + cfg.rendezvous_timeout;
-    let mut theirs: Vec<Option<Arc<shm::Segment>>> = (0..world).map(|_| None).collect();
+    let mut theirs: Vec<Seg> = (0..world).map(|_| None).collect();
     for (p, slot) in theirs.iter_mut().enumerate().filter(|(p, _)| *p != rank) {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         let offer = store.get(&format!("shm/{p}"), left)?.ok_or_else(|| {

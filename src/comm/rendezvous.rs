@@ -1,0 +1,128 @@
+//! How a [`ProcessGroup`] comes to be: [`ProcessGroup::local_world`] (ranks are threads of this
+//! process) and [`ProcessGroup::init_tcp`] / [`ProcessGroup::from_env`] (ranks are processes
+//! that find each other through the TCP store at MASTER_ADDR:MASTER_PORT, as torchrun sets
+//! them up). Both build the host backend over their transport.
+
+use super::auth;
+use super::config::{env_num, Backend, CommConfig};
+use super::error::{CommError, CommResult};
+use super::group::ProcessGroup;
+use super::host::HostBackend;
+use super::local;
+use super::store::{StoreClient, StoreServer};
+use super::tcp::TcpTransport;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// Where and who a TCP rank is — what torchrun puts in the environment.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TcpInit {
+    pub rank: usize,
+    pub world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+}
+
+impl TcpInit {
+    /// Read RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE.
+    pub fn from_env() -> CommResult<Self> {
+        fn var<T: std::str::FromStr>(name: &str, default: Option<T>) -> CommResult<T> {
+            match std::env::var(name) {
+                Ok(v) => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| CommError::InvalidArgument(format!("{name}={v:?} is not a valid number"))),
+                Err(_) => default.ok_or_else(|| {
+                    CommError::InvalidArgument(format!("{name} is not set (expected as torchrun sets it)"))
+                }),
+            }
+        }
+        let rank = var("RANK", None)?;
+        let world_size = var("WORLD_SIZE", None)?;
+        Ok(TcpInit {
+            rank,
+            world_size,
+            master_addr: std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into()),
+            master_port: var("MASTER_PORT", Some(29500))?,
+            local_rank: var("LOCAL_RANK", Some(rank))?,
+            local_world_size: var("LOCAL_WORLD_SIZE", Some(world_size))?,
+        })
+    }
+}
+
+impl ProcessGroup {
+    /// `world_size` ranks as threads of this process: returns one group per rank; move each into
+    /// its own thread (see [`crate::launch::spawn`] which does this for you).
+    pub fn local_world(world_size: usize, cfg: CommConfig) -> CommResult<Vec<ProcessGroup>> {
+        if world_size == 0 {
+            return Err(CommError::InvalidArgument("world_size must be at least 1".into()));
+        }
+        cfg.validate()?;
+        Ok(local::local_world(world_size)
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| {
+                let host = Arc::new(HostBackend::new(Box::new(t), &cfg));
+                ProcessGroup::new(host, Backend::Local, cfg.clone(), (r, world_size), None)
+            })
+            .collect())
+    }
+
+    /// Join a TCP group: rank 0 hosts the store at `master_addr:master_port`, every rank connects
+    /// to it, publishes its data address and connects to every other rank.
+    pub fn init_tcp(init: &TcpInit, mut cfg: CommConfig) -> CommResult<ProcessGroup> {
+        let (rank, n) = (init.rank, init.world_size);
+        if n == 0 {
+            return Err(CommError::InvalidArgument("WORLD_SIZE must be at least 1".into()));
+        }
+        if rank >= n {
+            return Err(CommError::InvalidArgument(format!("RANK {rank} is out of range for WORLD_SIZE {n}")));
+        }
+        cfg.validate()?;
+        let secret = auth::job_secret(&cfg, rank, &init.master_addr, init.master_port)?;
+        cfg.secret = Some(secret.clone());
+        let master = format!("{}:{}", init.master_addr, init.master_port);
+        let server = if rank == 0 {
+            let ip: std::net::IpAddr = cfg.store_bind.parse().map_err(|_| {
+                CommError::InvalidArgument(format!("SHARDLAB_STORE_BIND {:?} is not an IP address", cfg.store_bind))
+            })?;
+            Some(StoreServer::bind(std::net::SocketAddr::new(ip, init.master_port), &cfg.job_id, &secret)?)
+        } else {
+            None
+        };
+        let mut client = StoreClient::connect(&master, &cfg.job_id, &secret, cfg.rendezvous_timeout)?;
+        if client.add(&format!("joined/{rank}"), 1)? > 1 {
+            return Err(CommError::Rendezvous(format!("two processes joined as RANK {rank}")));
+        }
+        let ip = client.local_ip()?;
+        let t = TcpTransport::connect(rank, n, &mut client, ip, &cfg)?;
+        let host = Arc::new(HostBackend::new(Box::new(t), &cfg));
+        let local = (init.local_rank, init.local_world_size);
+        let pg = ProcessGroup::new(host.clone(), Backend::Tcp, cfg, local, server);
+        pg.barrier()?;
+        // Every rank is through the rendezvous (and has mapped its peers' shared memory).
+        host.group_formed();
+        // The store serves nobody from now on.
+        if let Some(s) = &pg.store {
+            s.close();
+        }
+        Ok(pg)
+    }
+
+    /// Join a TCP group described by the environment, as torchrun sets it: RANK, WORLD_SIZE,
+    /// MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500), LOCAL_RANK, LOCAL_WORLD_SIZE.
+    ///
+    /// Like torchrun, when several ranks share the machine (LOCAL_WORLD_SIZE > 1) libtorch gets one
+    /// intra-op thread per rank unless `SHARDLAB_NUM_THREADS` or `OMP_NUM_THREADS` says otherwise.
+    pub fn from_env(cfg: CommConfig) -> CommResult<ProcessGroup> {
+        let init = TcpInit::from_env()?;
+        if let Some(n) = env_num::<i32>("SHARDLAB_NUM_THREADS") {
+            tch::set_num_threads(n);
+        } else if init.local_world_size > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
+            tch::set_num_threads(1);
+        }
+        ProcessGroup::init_tcp(&init, cfg)
+    }
+}
