@@ -13,15 +13,23 @@ How to run (from the repository root)
         --ops all_reduce,broadcast --sizes 4K,16M --json
     .venv/bin/python benches/gloo_collectives.py --world-size 4 --ops all_reduce --sizes 16M
 
-Method
+Method (``--method``, the same two as shardlab's ``collectives`` bin)
     Each rank, for each op and size: allocates its tensors once, checks the
-    op's result once on small rank-dependent data, runs ``--warmup`` untimed
-    iterations, then times every iteration individually: ``dist.barrier()``
-    first so the ranks start together, then ``time.perf_counter()`` around the
-    collective call only.  The per-rank median is taken, and the reported
-    ``median_s`` is the slowest rank's median (all_reduce MAX on a float64
-    tensor).  Rank 0 prints.  With the default ``--iters auto`` the iteration
-    count is chosen from the warm-up timings (slowest rank) so that the timed
+    op's result once on small rank-dependent data, then
+      nccl-tests (default)  runs ``--warmup`` iterations (at least one), then
+                            ``dist.barrier()`` and N iterations back to back
+                            with nothing between them, timed as one block
+                            with ``time.perf_counter()``; the rank's time is
+                            elapsed / N.
+      barrier               runs ``--warmup`` iterations (at least one), then
+                            times every iteration individually:
+                            ``dist.barrier()`` first so the ranks start together,
+                            then ``time.perf_counter()`` around the collective
+                            call only; the rank's time is the median.
+    The reported ``time_s`` is the largest of the ranks' times (all_reduce MAX
+    on a float64 tensor), and ``method`` says which method took it.  Rank 0
+    prints.  With the default ``--iters auto`` the iteration count is chosen
+    from the warm-up (timed the same way, slowest rank) so that the timed
     iterations take about 0.3 s in total, clamped to [5, 200].
 
 Sizes and bytes (``--sizes`` takes K/M/G = KiB/MiB/GiB; dtype is always float32)
@@ -43,15 +51,20 @@ Fallbacks
     output tensor, or ``dist.reduce_scatter(out, list_of_chunks)``); if Gloo
     has no reduce_scatter at all, ``all_reduce`` of the full input followed by
     taking this rank's chunk is used.  The call actually used is reported in
-    the ``call`` field.  The choice is made once per op by a small probe whose
+    the ``call`` field.  Note that PyTorch's Gloo backend has no reduce-scatter
+    algorithm: ``reduce_scatter_tensor`` itself clones the input, all-reduces
+    the whole of it and copies out this rank's chunk
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), and the list-based
+    ``reduce_scatter`` is not supported, so every reduce_scatter figure here is
+    an all-reduce of the full input.  The choice is made once per op by a small probe whose
     outcome all ranks agree on.
 
 Output
     ``--json``: one JSON object per line with fields impl ("gloo"), op, algo
-    ("gloo"), world_size, bytes, median_s, algbw_GBps (= bytes / median_s /
+    ("gloo"), world_size, bytes, time_s, algbw_GBps (= bytes / time_s /
     1e9), busbw_GBps (algbw x 2(n-1)/n for all_reduce, x (n-1)/n for
-    all_gather and reduce_scatter, x 1 for broadcast), iters, call, plus
-    dtype and threads.  Without ``--json``: an aligned table with the same
+    all_gather and reduce_scatter, x 1 for broadcast), iters, method, call,
+    plus dtype, threads and transport (always "tcp": Gloo's data path).  Without ``--json``: an aligned table with the same
     columns.
 
 Robustness
@@ -93,8 +106,9 @@ ELEM = 4  # bytes per float32
 TARGET_MEASURE_S = 0.3
 MIN_ITERS = 5
 MAX_ITERS = 200
-COLUMNS = ("impl", "op", "algo", "world_size", "bytes", "median_s",
-           "algbw_GBps", "busbw_GBps", "iters", "call")
+METHODS = ("nccl-tests", "barrier")
+COLUMNS = ("impl", "op", "algo", "world_size", "bytes", "time_s",
+           "algbw_GBps", "busbw_GBps", "iters", "method", "call")
 
 
 # --------------------------------------------------------------------------- CLI
@@ -153,7 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=parse_iters, default=None,
                    help=f"timed iterations per measurement; default 'auto' = ~{TARGET_MEASURE_S}s "
                         f"worth, clamped to [{MIN_ITERS}, {MAX_ITERS}]")
-    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up iterations (default 3)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed warm-up iterations, at least one is run (default 3)")
+    p.add_argument("--method", choices=METHODS, default="nccl-tests",
+                   help="nccl-tests: iterations back to back, elapsed/N per rank (default); "
+                        "barrier: barrier before each iteration, median per rank; "
+                        "either way the slowest rank is reported")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     p.add_argument("--port", type=int, default=0, help="TCP port for rendezvous (default: a free one)")
     p.add_argument("--timeout", type=float, default=60.0,
@@ -314,48 +333,54 @@ def worker(rank: int, args, port: int) -> None:
         dist.destroy_process_group()
 
 
-def measure(op: str, call: str, size: int, rank: int, ws: int, args) -> dict:
-    case = make_case(op, call, size, rank, ws)
-
-    # Warm-up (also timed, to size the adaptive iteration count).
-    warm_times = []
-    for _ in range(max(args.warmup, 0 if args.iters else 1)):
+def timed(case: Case, k: int, method: str) -> float:
+    """This rank's seconds per operation over ``k`` operations, taken as ``method`` says."""
+    if method == "nccl-tests":
         dist.barrier()
         t0 = time.perf_counter()
-        case.fn()
-        warm_times.append(time.perf_counter() - t0)
-
-    if args.iters:
-        iters = args.iters
-    else:
-        est = max_over_ranks(statistics.median(warm_times))  # identical on every rank
-        iters = math.ceil(TARGET_MEASURE_S / est) if est > 0 else MAX_ITERS
-        iters = min(max(iters, MIN_ITERS), MAX_ITERS)
-
+        for _ in range(k):
+            case.fn()
+        return (time.perf_counter() - t0) / k
     times = []
-    for _ in range(iters):
+    for _ in range(k):
         dist.barrier()
         t0 = time.perf_counter()
         case.fn()
         times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
-    median_s = max_over_ranks(statistics.median(times))
+
+def measure(op: str, call: str, size: int, rank: int, ws: int, args) -> dict:
+    case = make_case(op, call, size, rank, ws)
+
+    # Warm-up (at least one iteration, as in shardlab), timed to size the adaptive iteration count.
+    warm = timed(case, max(args.warmup, 1), args.method)
+
+    if args.iters:
+        iters = args.iters
+    else:
+        est = max_over_ranks(warm)  # identical on every rank
+        iters = math.ceil(TARGET_MEASURE_S / est) if est > 0 else MAX_ITERS
+        iters = min(max(iters, MIN_ITERS), MAX_ITERS)
+
+    time_s = max_over_ranks(timed(case, iters, args.method))
     nbytes = case.nbytes
-    algbw = nbytes / median_s / 1e9
+    algbw = nbytes / time_s / 1e9
     factor = {"all_reduce": 2 * (ws - 1) / ws, "broadcast": 1.0,
               "all_gather": (ws - 1) / ws, "reduce_scatter": (ws - 1) / ws}[op]
     return {
         "impl": "gloo", "op": op, "algo": "gloo", "world_size": ws, "bytes": nbytes,
-        "median_s": median_s, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
-        "iters": iters, "call": call, "dtype": "float32", "threads": args.threads,
+        "time_s": time_s, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
+        "iters": iters, "method": args.method, "call": call, "dtype": "float32",
+        "threads": args.threads, "transport": "tcp",
     }
 
 
 # --------------------------------------------------------------------------- output
 
-WIDTHS = {"impl": 5, "op": 14, "algo": 5, "world_size": 10, "bytes": 11, "median_s": 12,
-          "algbw_GBps": 10, "busbw_GBps": 10, "iters": 5, "call": 22}
-LEFT = {"impl", "op", "algo", "call"}
+WIDTHS = {"impl": 5, "op": 14, "algo": 5, "world_size": 10, "bytes": 11, "time_s": 12,
+          "algbw_GBps": 10, "busbw_GBps": 10, "iters": 5, "method": 10, "call": 22}
+LEFT = {"impl", "op", "algo", "method", "call"}
 
 
 def print_header() -> None:
@@ -367,7 +392,7 @@ def emit(row: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(row), flush=True)
         return
-    fmt = {"median_s": "{:.6e}", "algbw_GBps": "{:.3f}", "busbw_GBps": "{:.3f}"}
+    fmt = {"time_s": "{:.6e}", "algbw_GBps": "{:.3f}", "busbw_GBps": "{:.3f}"}
     cells = []
     for c in COLUMNS:
         v = fmt.get(c, "{}").format(row[c])

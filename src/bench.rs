@@ -1,12 +1,22 @@
-//! Measuring collectives the way nccl-tests does: per-rank median time of each operation after
-//! warm-up, the slowest rank's median as the result, and two bandwidths:
+//! Measuring collectives: two bandwidths per point, as nccl-tests reports them,
 //!
 //! * algbw = bytes / time — what the caller sees;
 //! * busbw = algbw × factor — the bytes each link actually carried, comparable across world sizes:
-//!   2(n−1)/n for all_reduce, (n−1)/n for all_gather and reduce_scatter, 1 for broadcast.
+//!   2(n−1)/n for all_reduce, (n−1)/n for all_gather and reduce_scatter, 1 for broadcast;
 //!
-//! Used by the `collectives` bin, lesson 03 and its notebook. Also measures the limits the numbers
-//! should be read against: one loopback TCP stream, and memcpy.
+//! and two ways of taking the time (a [`Method`]):
+//!
+//! * [`Method::NcclTests`] — what nccl-tests does: warm-up, one barrier, then the operation `iters`
+//!   times back to back with nothing between the calls; each rank's time is its elapsed time / iters,
+//!   the result the largest of those over the ranks. Consecutive operations may overlap across
+//!   ranks (a fast rank starts the next one while a slow one finishes), as in a training loop.
+//! * [`Method::Barrier`] — a barrier before every operation, each operation timed alone; each rank's
+//!   median, the result the largest median over the ranks. Isolates one call's latency, but pays
+//!   (and partly hides) the skew the barrier leaves between ranks.
+//!
+//! Used by the `collectives` bin (nccl-tests by default), the lesson 02/03 bins and notebooks
+//! ([`measure`]: barrier). Also measures the limits the numbers should be read against: one
+//! loopback TCP stream, and memcpy.
 
 use crate::comm::{Algo, CommResult, OpKind, ProcessGroup, ReduceOp};
 use serde::{Deserialize, Serialize};
@@ -14,27 +24,93 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
-/// One measured line.
+/// How the time of one point is taken; see the module docs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Method {
+    /// Warm-up, then `iters` operations back to back (one barrier before the first); per rank
+    /// elapsed / iters; the maximum over ranks.
+    #[value(name = "nccl-tests")]
+    #[serde(rename = "nccl-tests")]
+    NcclTests,
+    /// A barrier before every operation, each timed alone; per rank the median; the maximum over ranks.
+    #[value(name = "barrier")]
+    #[serde(rename = "barrier")]
+    Barrier,
+}
+
+impl Method {
+    /// The name used on the command line and in the `method` field of records.
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::NcclTests => "nccl-tests",
+            Method::Barrier => "barrier",
+        }
+    }
+
+    /// One line saying what the reported time is.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Method::NcclTests => {
+                "after warm-up, N iterations back to back (no barrier between them); \
+                 time = max over ranks of each rank's elapsed/N"
+            }
+            Method::Barrier => {
+                "after warm-up, a barrier before each iteration, each timed alone; \
+                 time = max over ranks of each rank's median"
+            }
+        }
+    }
+}
+
+/// One measured line (one JSON object of the `collectives` bin's `--json` output).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BenchRecord {
+    /// Who ran it: `shardlab-tcp`, `shardlab-local`, `gloo`, or `limit` for the ceilings.
     #[serde(rename = "impl")]
     pub impl_: String,
+    /// all_reduce, broadcast, all_gather, reduce_scatter (or tcp_stream / memcpy for limits).
     pub op: String,
+    /// The algorithm that ran (naive, ring, tree, direct; `gloo` for Gloo's own choice; `-` for limits).
     pub algo: String,
     pub world_size: usize,
+    /// The full tensor (all_reduce, broadcast), gathered output (all_gather) or input (reduce_scatter).
     pub bytes: u64,
-    pub median_s: f64,
+    /// Seconds per operation, taken as `method` says. (Older output called this `median_s`.)
+    #[serde(alias = "median_s")]
+    pub time_s: f64,
     #[serde(rename = "algbw_GBps")]
     pub algbw_gbps: f64,
     #[serde(rename = "busbw_GBps")]
     pub busbw_gbps: f64,
+    /// Timed iterations.
     #[serde(default)]
     pub iters: usize,
+    /// How `time_s` was taken: [`Method::name`], or `-` for limits.
+    #[serde(default)]
+    pub method: String,
+    /// Element type of the tensors.
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
+    /// libtorch intra-op threads per rank (0: not recorded).
+    #[serde(default)]
+    pub threads: usize,
+    /// How the data moved: `tcp`, `shm`, `shm+tcp` ([`ProcessGroup::data_path`]), `local`
+    /// (threads); `tcp` for Gloo; empty when not recorded.
+    #[serde(default)]
+    pub transport: String,
+    /// For Gloo: the torch.distributed call that ran (e.g. `reduce_scatter_tensor`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call: Option<String>,
+}
+
+fn default_dtype() -> String {
+    "float32".into()
 }
 
 /// The collectives the benchmark knows.
 pub const OPS: [OpKind; 4] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::AllGather, OpKind::ReduceScatter];
 
+/// The [`OpKind`] of one of [`OPS`] by its name (`all_reduce`, ...).
 pub fn op_from_name(s: &str) -> Option<OpKind> {
     OPS.into_iter().find(|o| o.name() == s)
 }
@@ -50,18 +126,46 @@ pub fn bus_factor(op: OpKind, n: usize) -> f64 {
 }
 
 impl BenchRecord {
-    pub fn new(impl_: &str, op: OpKind, algo: &str, n: usize, bytes: u64, median_s: f64, iters: usize) -> Self {
-        let algbw = bytes as f64 / median_s / 1e9;
+    /// A record of `op` on `n` ranks: `bytes` moved in `time_s` seconds per operation over `iters`
+    /// timed iterations (f32). `method`, `threads` and `transport` are left unrecorded (`-`, 0,
+    /// empty): [`measure_with`] fills them in.
+    pub fn new(impl_: &str, op: OpKind, algo: &str, n: usize, bytes: u64, time_s: f64, iters: usize) -> Self {
+        let algbw = bytes as f64 / time_s / 1e9;
         BenchRecord {
             impl_: impl_.into(),
             op: op.name().into(),
             algo: algo.into(),
             world_size: n,
             bytes,
-            median_s,
+            time_s,
             algbw_gbps: algbw,
             busbw_gbps: algbw * bus_factor(op, n),
             iters,
+            method: "-".into(),
+            dtype: default_dtype(),
+            threads: 0,
+            transport: String::new(),
+            call: None,
+        }
+    }
+
+    /// A ceiling measured by `--limits` (`what` = tcp_stream or memcpy): `bytes` moved at `bytes_per_s`.
+    pub fn limit(what: &str, bytes: u64, bytes_per_s: f64, iters: usize) -> Self {
+        BenchRecord {
+            impl_: "limit".into(),
+            op: what.into(),
+            algo: "-".into(),
+            world_size: 1,
+            bytes,
+            time_s: bytes as f64 / bytes_per_s,
+            algbw_gbps: bytes_per_s / 1e9,
+            busbw_gbps: bytes_per_s / 1e9,
+            iters,
+            method: "-".into(),
+            dtype: "-".into(),
+            threads: 0,
+            transport: "-".into(),
+            call: None,
         }
     }
 }
@@ -93,11 +197,21 @@ pub fn fmt_size(b: u64) -> String {
 pub enum Iters {
     /// Enough for ~0.3 s of timed work, at least 5, at most 200 (decided by rank 0 for everybody).
     Auto,
+    /// Exactly this many (at least one).
     Fixed(usize),
 }
 
-/// Time `op` with `algo` on `bytes` bytes of f32 on every rank; returns the record (the same on
-/// every rank: the slowest rank's median).
+/// How to time one point: warm-up iterations (at least one is always run), timed iterations, method.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub warmup: usize,
+    pub iters: Iters,
+    pub method: Method,
+}
+
+/// Time `op` with `algo` on `bytes` bytes of f32 on every rank with the barrier method (the lesson
+/// bins' and notebooks' measurement); returns the record (the same on every rank: the slowest
+/// rank's median). See [`measure_with`] for the choice of method.
 pub fn measure(
     pg: &ProcessGroup,
     impl_: &str,
@@ -106,6 +220,20 @@ pub fn measure(
     bytes: u64,
     warmup: usize,
     iters: Iters,
+) -> CommResult<BenchRecord> {
+    measure_with(pg, impl_, op, algo, bytes, Timing { warmup, iters, method: Method::Barrier })
+}
+
+/// Time `op` with `algo` on `bytes` bytes of f32 on every rank as `timing` says; returns the
+/// record (method, threads per rank and data path included), the same on every rank. Every rank
+/// must call it with the same arguments.
+pub fn measure_with(
+    pg: &ProcessGroup,
+    impl_: &str,
+    op: OpKind,
+    algo: Algo,
+    bytes: u64,
+    timing: Timing,
 ) -> CommResult<BenchRecord> {
     let n = pg.world_size();
     let f32s = |b: u64| (b / 4) as i64;
@@ -127,37 +255,57 @@ pub fn measure(
             _ => unreachable!(),
         }
     };
-    let mut warm = Vec::new();
-    for _ in 0..warmup.max(1) {
-        pg.barrier()?;
-        let t = Instant::now();
-        run(pg)?;
-        warm.push(t.elapsed().as_secs_f64());
-    }
-    let iters = match iters {
+    // This rank's seconds per operation over `k` operations, as `method` takes it.
+    let mut timed = |pg: &ProcessGroup, k: usize| -> CommResult<f64> {
+        match timing.method {
+            Method::NcclTests => {
+                pg.barrier()?;
+                let t = Instant::now();
+                for _ in 0..k {
+                    run(pg)?;
+                }
+                Ok(t.elapsed().as_secs_f64() / k as f64)
+            }
+            Method::Barrier => {
+                let mut times = Vec::with_capacity(k);
+                for _ in 0..k {
+                    pg.barrier()?;
+                    let t = Instant::now();
+                    run(pg)?;
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                Ok(median(&mut times))
+            }
+        }
+    };
+    let warm = timed(pg, timing.warmup.max(1))?;
+    let iters = match timing.iters {
         Iters::Fixed(k) => k.max(1),
         Iters::Auto => {
-            // Rank 0 decides from the slowest rank's warm-up median, so every rank runs the same count.
-            let mut m = Tensor::from_slice(&[median(&mut warm)]);
-            pg.all_reduce(&mut m, ReduceOp::Max)?;
-            let per = m.double_value(&[0]).max(1e-7);
+            // From the slowest rank's warm-up time; rank 0 decides, so every rank runs the same count.
+            let per = max_over_ranks(pg, warm)?.max(1e-7);
             let mut k = Tensor::from_slice(&[((0.3 / per) as i64).clamp(5, 200)]);
             pg.broadcast(&mut k, 0)?;
             k.int64_value(&[0]) as usize
         }
     };
-    let mut times = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        pg.barrier()?;
-        let t = Instant::now();
-        run(pg)?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    let mut m = Tensor::from_slice(&[median(&mut times)]);
-    pg.all_reduce(&mut m, ReduceOp::Max)?;
-    Ok(BenchRecord::new(impl_, op, algo.name(), n, real_bytes, m.double_value(&[0]), iters))
+    let t = max_over_ranks(pg, timed(pg, iters)?)?;
+    // Recorded under the algorithm that ran (`Auto` resolved).
+    let mut r = BenchRecord::new(impl_, op, pg.resolve(op, algo).name(), n, real_bytes, t, iters);
+    r.method = timing.method.name().into();
+    r.threads = tch::get_num_threads().max(1) as usize;
+    r.transport = pg.data_path().into();
+    Ok(r)
 }
 
+/// The largest `x` over all ranks, on every rank.
+fn max_over_ranks(pg: &ProcessGroup, x: f64) -> CommResult<f64> {
+    let mut m = Tensor::from_slice(&[x]);
+    pg.all_reduce(&mut m, ReduceOp::Max)?;
+    Ok(m.double_value(&[0]))
+}
+
+/// The median of `v` (sorts it; NaN when empty).
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let k = v.len();

@@ -88,7 +88,7 @@ fn main() -> Result<()> {
     println!("\nbroadcast from rank 0 to {} ranks (slowest rank's median):", args.world_size);
     println!("  {:>6} {:>12} {:>12} {:>12}", "bytes", "naive", "tree", "chain");
     for (i, b) in sizes.iter().enumerate() {
-        let t = |k: usize| r0.broadcast[k * sizes.len() + i].median_s * 1e6;
+        let t = |k: usize| r0.broadcast[k * sizes.len() + i].time_s * 1e6;
         println!("  {:>6} {:>9.1} µs {:>9.1} µs {:>9.1} µs", bench::fmt_size(*b), t(0), t(1), t(2));
     }
     println!("\nweights: checksum per rank before and after broadcasting rank 0's:");

@@ -74,7 +74,7 @@ fn main() -> Result<()> {
             r.op,
             r.algo,
             bench::fmt_size(r.bytes),
-            r.median_s * 1e6,
+            r.time_s * 1e6,
             model * 1e6,
             r.busbw_gbps
         );
