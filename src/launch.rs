@@ -11,7 +11,7 @@
 //! A `Tcp` job's ranks authenticate every connection with the job's secret (see
 //! [`crate::comm::auth`]): `spawn` uses `config.secret` (`SHARDLAB_SECRET`) if set, else generates
 //! a fresh random one per job and hands it to its ranks (thread ranks share the config; child
-//! processes get it in `SHARDLAB_SPAWN_CONFIG` and `SHARDLAB_SECRET`).
+//! processes get it in `SHARDLAB_SECRET`, never in the serialised config).
 //!
 //! A rank that panics, returns an error or exits becomes an error for the caller naming the rank;
 //! the other ranks notice through the communication layer (their peer is gone) and fail too.

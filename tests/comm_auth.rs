@@ -301,13 +301,15 @@ fn secret_is_redacted_parsed_and_carried() {
     let cfg = CommConfig { secret: Some(s), ..CommConfig::default() };
     let dbg = format!("{cfg:?}");
     assert!(!dbg.contains(&hex) && dbg.contains("redacted"), "Debug shows the secret: {dbg}");
-    // serde carries it (spawn passes the config to child processes as JSON).
-    let back: CommConfig = serde_json::from_str(&serde_json::to_string(&cfg).unwrap()).unwrap();
-    assert_eq!(back.secret.unwrap().to_hex(), hex);
-    // A config without the field (an older parent) still parses.
+    // A serialised config (logged, or passed to child processes as JSON) leaves it out: spawn
+    // hands it to its children in SHARDLAB_SECRET.
+    let json = serde_json::to_string(&cfg).unwrap();
+    assert!(!json.contains(&hex) && !json.contains("\"secret\""), "the secret leaks into JSON: {json}");
+    assert!(serde_json::from_str::<CommConfig>(&json).unwrap().secret.is_none());
+    // A secret in JSON is still read (as hex).
     let mut v = serde_json::to_value(&cfg).unwrap();
-    v.as_object_mut().unwrap().remove("secret");
-    assert!(serde_json::from_value::<CommConfig>(v).unwrap().secret.is_none());
+    v.as_object_mut().unwrap().insert("secret".into(), serde_json::Value::String(hex.clone()));
+    assert_eq!(serde_json::from_value::<CommConfig>(v).unwrap().secret.unwrap().to_hex(), hex);
     assert_eq!(Secret::from_hex(&format!("  {}\n", hex.to_uppercase())).unwrap().to_hex(), hex);
     for bad in ["", "abc", &hex[..63], &format!("{}zz", &hex[..62])] {
         let e = Secret::from_hex(bad).unwrap_err();

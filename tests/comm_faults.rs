@@ -66,10 +66,11 @@ fn ring_job(
         for i in 0..4 {
             let mut t = Tensor::full([numel], (r + 1 + 10 * i) as f64, (Kind::Float, Device::Cpu));
             if let Err(e) = pg.all_reduce(&mut t, ReduceOp::Sum) {
+                let e = stamped(e); // when this rank learned of the failure
                 if r == victim && !kill {
                     std::thread::sleep(Duration::from_secs(3)); // the failed rank's process stays alive
                 }
-                return Err(stamped(e));
+                return Err(e);
             }
             // Exact in f32: small integers.
             let want = (n * (n + 1) / 2 + 10 * i * n) as f64;
@@ -101,6 +102,13 @@ fn check(n: usize, victim: usize, kill: bool, failures: &[(usize, String)], what
     }
     for (r, m) in failures.iter().filter(|f| f.0 != victim) {
         assert!(!m.contains("timed out"), "{what}: rank {r} was released by the timeout: {m}");
+    }
+    if kill {
+        // The killed rank cannot say when it died: the survivors learn of it together.
+        let seen: Vec<u128> = failures.iter().filter(|f| f.0 != victim).filter_map(|(_, m)| stamp_of(m)).collect();
+        assert_eq!(seen.len(), n - 1, "{what}: every survivor stamps its error: {failures:?}");
+        let spread = seen.iter().max().unwrap() - seen.iter().min().unwrap();
+        assert!(spread <= PROMPT_MS, "{what}: survivors learned of the death {spread} ms apart: {failures:?}");
     }
 }
 
@@ -263,5 +271,41 @@ fn abort_reaches_ranks_that_only_send() {
             }
         });
         check_prompt(&f, 3, &format!("{backend:?} default all_reduce"));
+    }
+}
+
+/// A rank that shuts its group down cleanly while a peer still waits for it (a torchrun-style
+/// script that returned early on its own error): the peer gets `PeerLeft` at once — over TCP and
+/// over shared memory, where no socket closes to say so.
+#[test]
+fn a_rank_that_left_is_reported_at_once() {
+    for path in [DataPath::Tcp, DataPath::Shm] {
+        let port = shardlab::launch::free_port().unwrap();
+        let secret = shardlab::comm::auth::Secret::generate().unwrap();
+        let cfg = CommConfig { transport: path, secret: Some(secret), ..CommConfig::default().with_timeout(LONG) };
+        let init = |rank| TcpInit {
+            rank,
+            world_size: 2,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            local_rank: rank,
+            local_world_size: 2,
+        };
+        let (waiter, leaver) = std::thread::scope(|s| {
+            let waiter = s.spawn(|| -> CommResult<(CommResult<()>, Duration, &'static str)> {
+                let pg = ProcessGroup::init_tcp(&init(0), cfg.clone())?;
+                let t = std::time::Instant::now();
+                let r = pg.all_reduce(&mut big(), ReduceOp::Sum); // rank 1 never joins this one
+                Ok((r, t.elapsed(), pg.data_path()))
+            });
+            let leaver = s.spawn(|| ProcessGroup::init_tcp(&init(1), cfg.clone()).map(drop));
+            (waiter.join().unwrap(), leaver.join().unwrap())
+        });
+        leaver.unwrap_or_else(|e| panic!("{path:?}: rank 1 could not join: {e}"));
+        let (r, took, data_path) = waiter.unwrap_or_else(|e| panic!("{path:?}: rank 0 could not join: {e}"));
+        assert_eq!(data_path, if path == DataPath::Shm { "shm" } else { "tcp" });
+        let e = r.expect_err("rank 1 left: the all_reduce cannot complete");
+        assert!(matches!(e, CommError::PeerLeft { peer: 1, .. }), "{path:?}: {e}");
+        assert!(took < Duration::from_millis(PROMPT_MS as u64), "{path:?}: took {took:?} to notice: {e}");
     }
 }

@@ -14,7 +14,9 @@ fn opts(n: usize, backend: Backend) -> SpawnOptions {
     SpawnOptions::new(n, backend).launch(Launch::Threads).config(cfg)
 }
 
-const ALGOS: [Algo; 2] = [Algo::Naive, Algo::Ring];
+/// Direct runs where the ranks share memory (process ranks on this machine: `Backend::Tcp` here);
+/// elsewhere (threads) that slot runs the ring again.
+const ALGOS: [Algo; 3] = [Algo::Naive, Algo::Ring, Algo::Direct];
 
 /// Raw bit patterns of a 1-D tensor (f32/f64/bf16/f16/i64), for exact comparisons.
 fn bits(t: &Tensor) -> Vec<i64> {
@@ -50,6 +52,7 @@ fn run(
         let (r, n) = (pg.rank(), pg.world_size());
         let mut res = Results { all_reduce: Vec::new(), reduce_scatter: Vec::new() };
         for algo in ALGOS {
+            let algo = if algo == Algo::Direct && pg.data_path() != "shm" { Algo::Ring } else { algo };
             let mut t = input(r, numel);
             pg.all_reduce_with(&mut t, op, algo)?;
             res.all_reduce.push((values(&t), bits(&t)));

@@ -41,8 +41,10 @@ pub struct CommConfig {
     /// The job's shared secret, which every TCP connection of the job proves it knows
     /// (`SHARDLAB_SECRET`, 64 hex digits). `None`: [`crate::launch::spawn`] generates one;
     /// `init_tcp` without one derives it from the job id on loopback-only jobs (with a warning)
-    /// and refuses otherwise — see [`auth`]. Its `Debug` is redacted.
-    #[serde(default)]
+    /// and refuses otherwise — see [`auth`]. Its `Debug` is redacted and serialising a config
+    /// leaves it out (a logged config must not leak it; `spawn` hands it to its child processes
+    /// in `SHARDLAB_SECRET`).
+    #[serde(default, skip_serializing)]
     pub secret: Option<auth::Secret>,
     /// How process ranks on the same machine move data (`SHARDLAB_TRANSPORT`, default `auto`).
     #[serde(default)]

@@ -92,6 +92,13 @@ impl HostBackend {
                 Algo::supported(op)
             )));
         }
+        if algo == Algo::Direct && self.0.t.shared_buffers().is_none() {
+            return Err(CommError::InvalidArgument(format!(
+                "{}: the direct algorithm needs every rank on one machine, sharing memory (this group's data path is {})",
+                op.name(),
+                self.0.t.data_path()
+            )));
+        }
         Ok(algo)
     }
 
@@ -171,7 +178,11 @@ impl Host {
             counters: &self.counters,
             pool: &self.pool,
         };
-        let res = body(&ctx);
+        // A panic inside an operation (a bug) must not leave the peers waiting or a half-written
+        // frame behind: it becomes this operation's error, and the group is aborted.
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx))).unwrap_or_else(|_| {
+            Err(CommError::Io(format!("rank {}: {} panicked inside the communication layer", self.rank, desc)))
+        });
         match &res {
             Err(e) => self.t.abort(e),
             Ok(()) if desc.op == OpKind::P2p => _ = self.counters.p2p.fetch_add(1, Ordering::Relaxed),

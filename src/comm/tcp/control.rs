@@ -87,6 +87,11 @@ impl TcpTransport {
         None
     }
 
+    /// Peer `p` said goodbye (its group was dropped after its work): nothing more comes from it.
+    pub(super) fn has_left(&self, p: usize) -> bool {
+        relock(&self.peer(p).ctl_in).left
+    }
+
     /// Look at every control connection without waiting; the failure one of them reports.
     pub(super) fn check_controls(&self) -> Option<CommError> {
         let mut fds: Vec<(usize, libc::pollfd)> = (self.peers.iter().enumerate())

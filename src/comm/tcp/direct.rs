@@ -67,18 +67,26 @@ impl Exchange for TcpTransport {
             if let Some(err) = self.check_controls() {
                 return Err(err);
             }
-            // A late peer that sends frames for this collective runs another algorithm. (Frames
-            // of a point-to-point message it sent ahead are fine: they wait for their recv.)
+            // A late peer that said goodbye will never publish; one that sends frames for this
+            // collective runs another algorithm. (Frames of a point-to-point message it sent ahead
+            // are fine: they wait for their recv.)
             for &p in late.iter().filter(|&&p| p != self.rank) {
+                if self.has_left(p) {
+                    return Err(self.set_poison(CommError::PeerLeft { peer: p, during: desc.to_string() }));
+                }
                 let mut h = [0u8; HEADER_LEN];
                 if self.peer(p).data.peek(&mut h) == HEADER_LEN {
-                    if let Ok((FrameKind::Data, theirs, _)) = frame::decode_header(&h) {
-                        if theirs.op != OpKind::P2p && theirs.seq == desc.seq {
+                    match frame::decode_header(&h) {
+                        Ok((FrameKind::Leave, _, _)) => {
+                            return Err(self.set_poison(CommError::PeerLeft { peer: p, during: desc.to_string() }))
+                        }
+                        Ok((FrameKind::Data, theirs, _)) if theirs.op != OpKind::P2p && theirs.seq == desc.seq => {
                             return Err(CommError::Mismatch(format!(
                                 "rank {} is running {desc} but rank {p} sent data for {theirs}",
                                 self.rank
                             )));
                         }
+                        _ => {}
                     }
                 }
             }

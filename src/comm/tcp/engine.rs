@@ -94,6 +94,13 @@ impl TcpTransport {
             }
             // Read the doorbell before looking for work: a ring after this wakes the wait below.
             let bell = self.shm.as_ref().map(|s| s.bell_value());
+            // A shared-memory peer that had said goodbye before this attempt has put everything it
+            // will ever send into the ring already: if this attempt moves nothing, it never will.
+            // (Sockets report the same as a closed connection.)
+            let gone = [send.as_ref().filter(|st| !st.done()).map(|st| st.peer), recv.as_ref().map(|st| st.r.peer)]
+                .into_iter()
+                .flatten()
+                .find(|&p| self.peer(p).data.fd().is_none() && self.has_left(p));
             let mut moved = false;
             if let Some(st) = send.as_mut().filter(|st| !st.done()) {
                 moved |= self.progress_send(desc, st)?;
@@ -110,6 +117,9 @@ impl TcpTransport {
             if moved {
                 deadline = now + timeout;
                 continue;
+            }
+            if let Some(peer) = gone.filter(|p| Some(*p) == want_in || Some(*p) == want_out) {
+                return Err(self.set_poison(CommError::PeerLeft { peer, during: desc.to_string() }));
             }
             if now >= deadline {
                 let peer = want_in.or(want_out).unwrap();

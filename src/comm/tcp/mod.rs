@@ -77,6 +77,20 @@ impl Link {
             Link::Shm(l) => l.read(buf, true),
         }
     }
+    /// Write all of a small control frame, or nothing (never half a header): best effort, for a
+    /// goodbye.
+    fn write_whole(&self, bytes: &[u8]) {
+        match self {
+            Link::Tcp(s) => {
+                let _ = (&*s).write(bytes); // an idle socket takes 48 bytes whole
+            }
+            Link::Shm(l) => {
+                if l.room() >= bytes.len() {
+                    let _ = l.write_vectored(&[IoSlice::new(bytes)]);
+                }
+            }
+        }
+    }
     /// Copy what has arrived without consuming it; bytes copied.
     fn peek(&self, buf: &mut [u8]) -> usize {
         match self {
@@ -240,10 +254,7 @@ fn shm_setup(rank: usize, world: usize, store: &mut StoreClient, cfg: &CommConfi
             continue; // another machine (or no segment offered): TCP
         }
         if mine.is_none() {
-            if cfg.transport == DataPath::Shm || !path.is_empty() {
-                // We cannot (or will not) share memory but a peer on this machine expects it.
-                return Err(rdv(format!("rank {p} runs on this machine and offers shared memory, but this rank has none (SHARDLAB_TRANSPORT={:?}; is /dev/shm writable?)", cfg.transport)));
-            }
+            // We offered none, so the peer reads our empty offer and uses TCP with us too.
             continue;
         }
         if path.is_empty() {
@@ -300,7 +311,7 @@ impl Transport for TcpTransport {
         let bye = frame::encode_header(FrameKind::Leave, &frame::NO_DESC, 0);
         for p in self.peers.iter().flatten() {
             let _w = relock(&p.wlock);
-            let _ = p.data.write_vectored(&[IoSlice::new(&bye)]);
+            p.data.write_whole(&bye);
             p.data.shutdown(Shutdown::Write);
         }
         self.last_word(FrameKind::Leave, &[]);

@@ -44,8 +44,8 @@ const BELL: usize = LINE;
 const SLEEPERS: usize = 2 * LINE;
 const EPOCH: usize = 3 * LINE;
 const OP_SLOTS: usize = 4 * LINE;
-/// Ring bytes per peer (`SHARDLAB_SHM_RING` overrides): enough for a few 1 MiB frames in flight.
-const RING: usize = 4 << 20;
+/// Ring bytes per peer (`SHARDLAB_SHM_RING` overrides): two 1 MiB frames in flight.
+const RING: usize = 2 << 20;
 
 /// One rank's mapped segment (its own, or a peer's).
 pub(super) struct Segment {
@@ -88,9 +88,18 @@ impl Segment {
             .map_err(|e| CommError::Io(format!("cannot create {}: {e}", path.display())))?;
         let len = Self::size(world, ring, exchange);
         // tmpfs allocates pages when they are first touched: unused rings cost nothing.
-        if let Err(e) = f.set_len(len as u64) {
+        // Reserve the pages now: tmpfs files are sparse, and a page that cannot be had when a copy
+        // first touches it is a SIGBUS, not an error (containers often give /dev/shm 64 MiB).
+        let err = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len as libc::off_t) };
+        if err != 0 {
             let _ = std::fs::remove_file(&path);
-            return Err(CommError::Io(format!("cannot size {}: {e}", path.display())));
+            return Err(CommError::Io(format!(
+                "cannot reserve {} MiB in {}: {} (too little room in {}? e.g. docker run --shm-size)",
+                len >> 20,
+                path.display(),
+                std::io::Error::from_raw_os_error(err),
+                dir.display()
+            )));
         }
         let seg = Self::map(&f, len, ring, exchange, path, true)?;
         unsafe {
@@ -104,19 +113,39 @@ impl Segment {
 
     /// Map a peer's segment and check that it is one, for this world.
     pub fn open(path: &Path, world: usize) -> CommResult<Segment> {
+        // Only a regular file of ours, made by a rank (not a link, not another user's file).
+        let named = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("shardlab-"));
+        if !named || path.parent() != Some(Path::new("/dev/shm")) {
+            return Err(CommError::Protocol(format!("{} is not a shardlab segment path", path.display())));
+        }
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(|e| CommError::Io(format!("cannot open {}: {e}", path.display())))?;
-        let flen = f.metadata().map_err(|e| CommError::io("stat shared memory", e))?.len() as usize;
+        let meta = f.metadata().map_err(|e| CommError::io("stat shared memory", e))?;
+        {
+            use std::os::unix::fs::MetadataExt;
+            if !meta.is_file() || meta.uid() != unsafe { libc::geteuid() } || meta.mode() & 0o077 != 0 {
+                return Err(CommError::Protocol(format!(
+                    "{} is not a private file of this user (a shardlab segment is mode 0600)",
+                    path.display()
+                )));
+            }
+        }
+        let flen = meta.len() as usize;
         if flen < HEADER {
             return Err(CommError::Protocol(format!("{} is not a shardlab segment", path.display())));
         }
         let head = Self::map(&f, HEADER, 0, 0, path.to_path_buf(), false)?;
         let (magic, w, ring, exchange) = (head.word(0), head.word(8), head.word(16) as usize, head.word(24) as usize);
         drop(head);
-        let sizes_ok = ring.is_power_of_two() && exchange < (1 << 40) && flen == Self::size(world, ring, exchange);
+        let sizes_ok = ring.is_power_of_two()
+            && ring < (1 << 40)
+            && exchange < (1 << 40)
+            && world < (1 << 20)
+            && flen == Self::size(world, ring, exchange);
         if magic != MAGIC || w != world as u64 || !sizes_ok {
             return Err(CommError::Protocol(format!("{} is not a shardlab segment for this world", path.display())));
         }
@@ -256,6 +285,12 @@ impl ShmLink {
         self.theirs.ring_bell();
     }
 
+    /// Free bytes in the peer's ring for us.
+    pub fn room(&self) -> usize {
+        let seg = &*self.theirs;
+        Self::positions(seg, seg.slot(self.me)).map_or(0, |(h, t)| seg.ring - (t - h) as usize)
+    }
+
     /// Copy as much of `bufs` as fits into the peer's ring; `WouldBlock` when it is full.
     pub fn write_vectored(&self, bufs: &[IoSlice]) -> std::io::Result<usize> {
         let seg = &*self.theirs;
@@ -316,10 +351,14 @@ fn copy_ring(data: *mut u8, ring: usize, at: u64, other: *const u8, k: usize, in
 }
 
 /// What identifies this machine: ranks with the same id can share memory.
+/// Containers on one host with host networking share the boot id and the host name but not
+/// always `/dev/shm`: its device and inode are part of the id.
 pub(super) fn host_id() -> String {
+    use std::os::unix::fs::MetadataExt;
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     let mut name = [0u8; 256];
     unsafe { libc::gethostname(name.as_mut_ptr() as *mut libc::c_char, name.len()) };
     let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
-    format!("{}/{}", boot.trim(), String::from_utf8_lossy(&name[..end]))
+    let shm = std::fs::metadata("/dev/shm").map(|m| format!("{}:{}", m.dev(), m.ino())).unwrap_or_default();
+    format!("{}/{}/{shm}", boot.trim(), String::from_utf8_lossy(&name[..end]))
 }
