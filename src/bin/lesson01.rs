@@ -95,7 +95,9 @@ fn main() -> Result<()> {
 fn missing_rank(args: &Args, missing: usize) -> Result<()> {
     anyhow::ensure!(missing < args.world_size, "--missing-rank must be below --world-size");
     let port = shardlab::launch::free_port().map_err(anyhow::Error::msg)?;
-    let cfg = CommConfig { rendezvous_timeout: Duration::from_secs_f64(args.timeout), ..CommConfig::default() };
+    // The ranks are started by hand here (not by `spawn`), so they share a secret we make for them.
+    let secret = Some(shardlab::comm::auth::Secret::generate()?);
+    let cfg = CommConfig { rendezvous_timeout: Duration::from_secs_f64(args.timeout), secret, ..CommConfig::default() };
     let t = Instant::now();
     let results: Vec<(usize, String)> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..args.world_size)
