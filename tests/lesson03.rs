@@ -84,10 +84,12 @@ fn ex2_ring_schedule_reduces_then_gathers_everything() {
 
 #[test]
 fn ex3_ring_all_reduce_sums_like_a_serial_reference_and_moves_ring_volume() {
-    // Small kernel socket buffers: a ring in which every rank sends before it receives then
+    // Small kernel socket buffers, and TCP even between ranks on this machine (shared-memory
+    // rings would hold a whole segment): a ring in which every rank sends before it receives then
     // deadlocks over TCP (and fails after the timeout) instead of hiding in the buffers.
     std::env::set_var("SHARDLAB_SOCK_BUF", "65536");
-    let cfg = CommConfig { chunk_bytes: 64 << 10, ..CommConfig::default() }.with_timeout(Duration::from_secs(10));
+    let cfg = CommConfig { chunk_bytes: 64 << 10, transport: DataPath::Tcp, ..CommConfig::default() }
+        .with_timeout(Duration::from_secs(10));
     for backend in [Backend::Local, Backend::Tcp] {
         for n in 1..=4 {
             let opts = SpawnOptions::new(n, backend).launch(Launch::Threads).config(cfg.clone());
