@@ -43,7 +43,8 @@ use shardlab::prelude::*;
 #[derive(Parser, Debug)]
 #[command(about = "Benchmark shardlab's collectives (and PyTorch Gloo's) like nccl-tests")]
 struct Args {
-    /// local: ranks are threads; tcp: ranks are processes talking over loopback TCP.
+    /// local: ranks are threads of this process; tcp: ranks are processes (on one machine they
+    /// share memory unless --transport tcp).
     #[arg(long, value_enum, default_value = "tcp")]
     backend: Backend,
     #[arg(long, default_value_t = 2)]
@@ -122,8 +123,8 @@ fn main() -> Result<()> {
     if args.compare_gloo {
         if args.backend != Backend::Tcp {
             bail!(
-                "--compare-gloo needs --backend tcp: Gloo's ranks are processes exchanging data over loopback TCP, \
-                 and --backend {} would compare a different transport with it (compare like with like)",
+                "--compare-gloo needs --backend tcp: Gloo's ranks are processes, and --backend {} runs \
+                 ranks as threads of one process (compare like with like)",
                 backend_name(args.backend)
             );
         }
