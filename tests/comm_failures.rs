@@ -155,6 +155,28 @@ fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
             pg.all_reduce_with(&mut f32s(10), ReduceOp::Sum, algo)
         });
         assert_all_fail_fast(&res, took, "algo");
+        if direct {
+            // Shared memory: one rank reads its peers' buffers (direct) while the others send
+            // frames (ring) — and a p2p message sent ahead must not be mistaken for that.
+            for n in [2, 3] {
+                let (res, took) = run(backend, n, TIMEOUT, |pg| {
+                    let algo = if pg.rank() == 1 { Algo::Direct } else { Algo::Ring };
+                    pg.all_reduce_with(&mut f32s(1 << 16), ReduceOp::Sum, algo)
+                });
+                assert_all_fail_fast(&res, took, "algo direct");
+            }
+            let (res, _) = run(backend, 2, TIMEOUT, |pg| {
+                let mut t = f32s(100);
+                if pg.rank() == 0 {
+                    pg.send(&t, 1)?;
+                    pg.all_reduce(&mut f32s(1000), ReduceOp::Sum)
+                } else {
+                    pg.all_reduce(&mut f32s(1000), ReduceOp::Sum)?;
+                    pg.recv(&mut t, 0)
+                }
+            });
+            assert!(res.iter().all(|r| r.is_ok()), "a send ahead of a direct collective is legal: {res:?}");
+        }
     }
 }
 
