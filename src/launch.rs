@@ -178,7 +178,8 @@ where
         (Backend::Tcp, Launch::Threads) => {
             let port = tcp_port(&opts)?;
             set_threads(&opts, opts.world_size);
-            let inits: Vec<TcpInit> = (0..opts.world_size).map(|r| tcp_init(r, opts.world_size, port)).collect();
+            let inits: Vec<TcpInit> =
+                (0..opts.world_size).map(|r| TcpInit::loopback(r, opts.world_size, port)).collect();
             let cfg = with_secret(&opts.config)?;
             std::thread::scope(|s| {
                 let hs: Vec<_> = inits.iter().map(|i| s.spawn(|| ProcessGroup::init_tcp(i, cfg.clone()))).collect();
@@ -190,17 +191,6 @@ where
             })
         }
         (Backend::Tcp, Launch::Processes) => run_processes(call, &opts),
-    }
-}
-
-fn tcp_init(rank: usize, world_size: usize, port: u16) -> TcpInit {
-    TcpInit {
-        rank,
-        world_size,
-        master_addr: "127.0.0.1".into(),
-        master_port: port,
-        local_rank: rank,
-        local_world_size: world_size,
     }
 }
 

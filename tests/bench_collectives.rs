@@ -211,9 +211,7 @@ fn bad_arguments_are_refused() {
 
 #[test]
 fn gloo_is_timed_the_same_way_and_its_reduce_scatter_flagged() {
-    let py = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    if !py.exists() {
-        eprintln!("skipped: {} not found (run `bash .ci/setup`)", py.display());
+    if !have_python() {
         return;
     }
     let table = run_ok(&[
@@ -265,9 +263,7 @@ fn a_stalled_benchmark_is_killed_at_the_deadline() {
 
 #[test]
 fn shared_memory_against_gloo_says_the_data_paths_differ() {
-    let py = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    if !py.exists() {
-        eprintln!("skipped: {} not found (run `bash .ci/setup`)", py.display());
+    if !have_python() {
         return;
     }
     let table = run_ok(&[
@@ -289,4 +285,13 @@ fn shared_memory_against_gloo_says_the_data_paths_differ() {
     assert!(table.lines().any(|l| l == "# data path: shardlab-shm shm, gloo tcp"), "{table}");
     assert!(table.contains("# data paths differ"), "{table}");
     assert!(table.lines().any(|l| l.starts_with("shardlab-shm") && l.contains("direct") && l.contains('x')), "{table}");
+}
+
+/// The project's Python (with PyTorch, for the Gloo side); says so when a test is skipped.
+fn have_python() -> bool {
+    let py = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    if !py.exists() {
+        eprintln!("skipped: {} not found (run `bash .ci/setup`)", py.display());
+    }
+    py.exists()
 }

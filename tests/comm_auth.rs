@@ -591,14 +591,7 @@ fn strangers_already_inside_when_the_ranks_arrive() {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let cfg = &job_cfg();
     let job = cfg.job_id.clone();
-    let init = |rank| TcpInit {
-        rank,
-        world_size: 4,
-        master_addr: "127.0.0.1".into(),
-        master_port: port,
-        local_rank: rank,
-        local_world_size: 4,
-    };
+    let init = |rank| TcpInit::loopback(rank, 4, port);
     let stop = AtomicBool::new(false);
     let t0 = Instant::now();
     let (results, report, most_threads) = std::thread::scope(|sc| {
@@ -790,14 +783,7 @@ fn strangers_on_the_rank_listeners_do_not_stop_the_job() {
     let cfg = &job_cfg();
     let k = cfg.secret.clone().unwrap();
     let job = cfg.job_id.clone();
-    let init = |rank| TcpInit {
-        rank,
-        world_size: 4,
-        master_addr: "127.0.0.1".into(),
-        master_port: port,
-        local_rank: rank,
-        local_world_size: 4,
-    };
+    let init = |rank| TcpInit::loopback(rank, 4, port);
     let stop = AtomicBool::new(false);
     let results = std::thread::scope(|sc| {
         // A failing assertion must not leave the strangers running.

@@ -283,14 +283,7 @@ fn a_rank_that_left_is_reported_at_once() {
         let port = shardlab::launch::free_port().unwrap();
         let secret = shardlab::comm::auth::Secret::generate().unwrap();
         let cfg = CommConfig { transport: path, secret: Some(secret), ..CommConfig::default().with_timeout(LONG) };
-        let init = |rank| TcpInit {
-            rank,
-            world_size: 2,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            local_rank: rank,
-            local_world_size: 2,
-        };
+        let init = |rank| TcpInit::loopback(rank, 2, port);
         let (waiter, leaver) = std::thread::scope(|s| {
             let waiter = s.spawn(|| -> CommResult<(CommResult<()>, Duration, &'static str)> {
                 let pg = ProcessGroup::init_tcp(&init(0), cfg.clone())?;

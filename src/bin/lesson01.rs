@@ -105,14 +105,7 @@ fn missing_rank(args: &Args, missing: usize) -> Result<()> {
             .map(|rank| {
                 let cfg = cfg.clone();
                 s.spawn(move || {
-                    let init = TcpInit {
-                        rank,
-                        world_size: args.world_size,
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        local_rank: rank,
-                        local_world_size: args.world_size,
-                    };
+                    let init = TcpInit::loopback(rank, args.world_size, port);
                     let msg = match ProcessGroup::init_tcp(&init, cfg) {
                         Ok(_) => "joined (unexpected!)".to_string(),
                         Err(e) => e.to_string(),

@@ -26,6 +26,18 @@ pub struct TcpInit {
 }
 
 impl TcpInit {
+    /// Rank `rank` of `world_size` ranks all on this machine, the store on 127.0.0.1:`port`.
+    pub fn loopback(rank: usize, world_size: usize, port: u16) -> Self {
+        TcpInit {
+            rank,
+            world_size,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            local_rank: rank,
+            local_world_size: world_size,
+        }
+    }
+
     /// Read RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE.
     pub fn from_env() -> CommResult<Self> {
         fn var<T: std::str::FromStr>(name: &str, default: Option<T>) -> CommResult<T> {
