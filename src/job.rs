@@ -44,7 +44,8 @@ pub struct GptJob {
     /// Micro-batches per step (gradient accumulation).
     pub accum: i64,
     pub steps: u64,
-    /// Steps left out of the throughput median.
+    /// Steps left out of the throughput median (a run of `steps <= warmup` leaves out all but its
+    /// last step, and says so in [`RunSummary::measured_steps`]).
     pub warmup: u64,
     pub optim: AdamWConfig,
     pub data: DataSource,
@@ -64,6 +65,8 @@ pub struct RunSummary {
     pub world_size: usize,
     pub params: i64,
     pub tokens_per_step: f64,
+    /// Steps timed (after warm-up): throughput from fewer than a handful is rough.
+    pub measured_steps: usize,
     pub median_step_s: f64,
     /// All ranks together, median over the steps after warm-up.
     pub tokens_per_s: f64,
@@ -98,7 +101,7 @@ impl GptJob {
     /// Check the job against its data before any worker starts.
     pub fn check(&self, world_size: usize) -> anyhow::Result<()> {
         self.model.validate()?;
-        anyhow::ensure!(self.steps > self.warmup, "steps ({}) must be more than warmup ({})", self.steps, self.warmup);
+        anyhow::ensure!(self.steps >= 1, "steps must be at least 1");
         anyhow::ensure!(
             self.accum >= 1 && self.accum as usize <= self.batch_size,
             "accumulation steps must be in 1..={} (the per-rank batch)",
@@ -121,6 +124,8 @@ impl GptJob {
         let sent0 = ctx.group().stats().bytes_sent;
         // Peak RSS from here on: the training steps, not the construction of the full model.
         crate::bench::reset_peak_rss();
+        // A run shorter than its warm-up still runs: it times its last step.
+        let warmup = self.warmup.min(self.steps.saturating_sub(1));
         for step in 0..self.steps {
             let batch = sampler.batch(&data, step);
             ctx.group().barrier()?;
@@ -131,7 +136,7 @@ impl GptJob {
             ctx.group().all_reduce(&mut l, ReduceOp::Avg)?;
             let loss = l.double_value(&[0]);
             losses.push(loss);
-            if step >= self.warmup {
+            if step >= warmup {
                 step_s.push(dt);
             }
             ctx.report(json!({"step": step, "loss": loss, "step_s": dt, "tokens_per_s": tokens_per_step / dt}))?;
@@ -154,6 +159,7 @@ impl GptJob {
             world_size: n,
             params,
             tokens_per_step,
+            measured_steps: step_s.len(),
             median_step_s: median,
             tokens_per_s: tokens_per_step / median,
             final_loss: *losses.last().unwrap_or(&f64::NAN),

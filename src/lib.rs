@@ -11,6 +11,7 @@ pub mod bench;
 pub mod comm;
 pub mod data;
 pub mod ddp;
+pub mod grading;
 pub mod job;
 pub mod launch;
 pub mod memory;
@@ -28,8 +29,8 @@ pub use serde_json;
 /// Everything a lesson, bin or notebook usually needs.
 pub mod prelude {
     pub use crate::comm::{
-        Algo, Backend, CommConfig, CommError, CommResult, CommStats, DType, DataPath, ProcessGroup, ReduceOp, TcpInit,
-        Work, WorkTiming,
+        Algo, Backend, CommConfig, CommError, CommResult, CommStats, DType, DataPath, OpKind, ProcessGroup, ReduceOp,
+        TcpInit, Work, WorkTiming,
     };
     pub use crate::data::{synthetic_corpus, DistributedSampler, Tokens};
     pub use crate::ddp::{DataParallel, DdpBucketed, DdpNaive, DdpStats, Variant};

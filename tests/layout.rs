@@ -67,7 +67,7 @@ fn stubs_and_solutions_are_twins() {
         assert!(
             grader.contains(&format!("../solutions/{slug}.rs"))
                 && grader.contains(&format!("../lessons/{slug}/exercise.rs")),
-            "lesson {nn}: the grader must include the solution by default and the exercise with --features grade"
+            "lesson {nn}: the grader must include both the solution and the exercise (shardlab::graders!)"
         );
     }
 }

@@ -1,48 +1,258 @@
-//! `cargo grade NN` — grade your exercise file for lesson NN.
+//! `cargo grade` — your progress through the course, and one lesson's grader at a time.
 //!
-//! Runs `cargo test --features grade --test lessonNN`: the lesson's grader compiled against
-//! `lessons/NN_slug/exercise.rs` instead of the reference answers in `solutions/`.
+//! ```text
+//! cargo grade                 grade every lesson's exercise file; print the progress table
+//! cargo grade 03              grade lesson 03 strictly (an exercise not started fails)
+//! cargo grade 03 ex2          only exercise 2 of lesson 03
+//! cargo grade 03 --hint 2     the next hint for exercise 2 (run again for the one after)
+//! cargo grade --watch         re-grade a lesson each time you save its exercise.rs
+//! ```
+//!
+//! Grading is `cargo test --test lessonNN exercise::…`: the lesson's grader (`tests/lessonNN.rs`)
+//! compiled against your `lessons/NN_slug/exercise.rs` (see `shardlab::grading`). Plain `cargo
+//! test` grades the same exercises, leniently: not started is not a failure there.
 
-use std::path::Path;
-use std::process::{exit, Command};
+use shardlab::grading::{self, Status};
+use std::path::{Path, PathBuf};
+use std::process::{exit, Command, Stdio};
+use std::time::Duration;
 
-fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut lessons: Vec<String> = std::fs::read_dir(root.join("tests"))
-        .map(|d| {
-            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .filter_map(|n| n.strip_prefix("lesson")?.strip_suffix(".rs").map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
-    lessons.sort();
-    let arg = std::env::args().nth(1).unwrap_or_default();
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Where the graders record outcomes: the integration tests' `CARGO_TARGET_TMPDIR`.
+fn tmp_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
+    let target = if target.is_absolute() { target } else { root().join(target) };
+    target.join("tmp")
+}
+
+/// `(NN, slug)` of every lesson with a grader.
+fn lessons() -> Vec<(String, String)> {
+    grading::progress(root(), &tmp_dir())
+        .into_iter()
+        .filter(|l| root().join(format!("tests/lesson{}.rs", l.nn)).is_file())
+        .map(|l| (l.nn, l.slug))
+        .collect()
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: cargo grade [NN [exK] | NN --hint K | --watch]\n  lessons with a grader: {}",
+        lessons().iter().map(|l| l.0.as_str()).collect::<Vec<_>>().join(", ")
+    );
+    exit(2)
+}
+
+fn lesson_arg(arg: &str) -> String {
     let nn = match arg.trim_start_matches("lesson").parse::<u32>() {
         Ok(n) => format!("{n:02}"),
-        Err(_) => {
-            eprintln!("usage: cargo grade NN   (lessons with a grader: {})", lessons.join(", "));
-            exit(2);
-        }
+        Err(_) => usage(),
     };
-    if !lessons.contains(&nn) {
-        eprintln!("lesson {nn} has no grader yet (lessons with a grader: {})", lessons.join(", "));
-        exit(2);
+    if !lessons().iter().any(|l| l.0 == nn) {
+        eprintln!("lesson {nn} has no grader yet");
+        usage();
     }
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("grading lessons/{nn}_*/exercise.rs with tests/lesson{nn}.rs …");
-    let status = Command::new(cargo)
-        .current_dir(root)
-        .args(["test", "--quiet", "--features", "grade", "--test", &format!("lesson{nn}")])
-        .args(std::env::args().skip(2))
+    nn
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    match a.as_slice() {
+        [] => {
+            let ok = grade_all();
+            print_table();
+            exit(if ok { 0 } else { 1 });
+        }
+        ["--watch"] => watch(),
+        [nn, "--hint", k] | ["--hint", k, nn] => {
+            hint(&lesson_arg(nn), k.trim_start_matches("ex").parse().unwrap_or_else(|_| usage()))
+        }
+        [nn] => exit(grade_lesson(&lesson_arg(nn), None)),
+        [nn, ex] if ex.starts_with("ex") && ex[2..].parse::<usize>().is_ok() => {
+            exit(grade_lesson(&lesson_arg(nn), Some(ex[2..].parse().unwrap())))
+        }
+        _ => usage(),
+    }
+}
+
+/// Every lesson's exercises, leniently (as `cargo test` does), output kept back: the table says it.
+fn grade_all() -> bool {
+    let mut c = cargo();
+    c.args(["test", "--quiet", "--no-fail-fast"]);
+    for (nn, _) in lessons() {
+        c.args(["--test", &format!("lesson{nn}")]);
+    }
+    c.args(["exercise::"]).env("SHARDLAB_NO_EXIT_TABLE", "1");
+    eprintln!("grading every lesson's exercise.rs …");
+    let out = c.output().unwrap_or_else(|e| {
+        eprintln!("cannot run cargo: {e}");
+        exit(2)
+    });
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.contains("could not compile") {
+        eprintln!("{stderr}\nan exercise file does not compile: fix the errors above, then grade again.");
+        exit(1);
+    }
+    out.status.success()
+}
+
+fn print_table() {
+    print!("{}", grading::progress_table(&grading::progress(root(), &tmp_dir())));
+}
+
+/// One lesson (or one exercise of it), strictly: not started fails. Returns the exit code.
+fn grade_lesson(nn: &str, ex: Option<usize>) -> i32 {
+    let filter = match ex {
+        Some(k) => format!("exercise::ex{k}_"),
+        None => "exercise::".into(),
+    };
+    let what = ex.map_or(String::new(), |k| format!(" exercise {k}"));
+    eprintln!("grading lesson {nn}{what} (lessons/{nn}_*/exercise.rs, tests/lesson{nn}.rs) …");
+    let status = cargo()
+        .args(["test", "--quiet", "--test", &format!("lesson{nn}"), &filter])
+        .env("SHARDLAB_GRADE", "strict")
+        .env("SHARDLAB_NO_EXIT_TABLE", "1")
+        .stdout(Stdio::inherit())
         .status()
         .unwrap_or_else(|e| {
             eprintln!("cannot run cargo: {e}");
             exit(2)
         });
-    if status.success() {
-        eprintln!("lesson {nn}: every exercise passes.");
-    } else {
-        eprintln!("lesson {nn}: not yet — read the failures above; hints are in lessons/{nn}_*/README.md.");
+    let progress = grading::progress(root(), &tmp_dir());
+    if let Some(l) = progress.iter().find(|l| l.nn == nn) {
+        println!("\nlesson {nn} ({}):", l.slug);
+        for (k, fns, st) in &l.exercises {
+            if ex.map_or(true, |e| e == *k) {
+                let mark = match st {
+                    Status::Done => "done",
+                    Status::Failing(_) => "FAIL",
+                    Status::NotStarted => "not started",
+                    Status::NotGraded => "not graded (does it compile?)",
+                };
+                println!("  ex{k} {:<28} {mark}", format!("`{}`", fns.join("`, `")));
+            }
+        }
     }
-    exit(status.code().unwrap_or(1));
+    if status.success() {
+        println!("\nlesson {nn}{what}: passes.");
+    } else {
+        println!(
+            "\nlesson {nn}{what}: not yet — the grader's messages are above; `cargo grade {nn} --hint K` for a hint."
+        );
+    }
+    status.code().unwrap_or(1)
+}
+
+/// Prints the hints for exercise `k` of lesson `nn`, one more each time (from the lesson's README:
+/// the `<details><summary>Hint …</summary>…</details>` blocks under `### K.`).
+fn hint(nn: &str, k: usize) -> ! {
+    let slug = lessons().into_iter().find(|l| l.0 == nn).map(|l| l.1).unwrap();
+    let readme = std::fs::read_to_string(root().join(format!("lessons/{slug}/README.md"))).unwrap_or_default();
+    let hints = hints(&readme, k);
+    if hints.is_empty() {
+        eprintln!("lesson {nn} has no hints for exercise {k} (see lessons/{slug}/README.md)");
+        exit(2);
+    }
+    let state = tmp_dir().join("grades").join("hints").join(format!("{nn}-{k}"));
+    let seen: usize = std::fs::read_to_string(&state).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+    let level = (seen + 1).min(hints.len());
+    let _ = std::fs::create_dir_all(state.parent().unwrap());
+    let _ = std::fs::write(&state, level.to_string());
+    println!("lesson {nn}, exercise {k} — hint {level} of {}:\n", hints.len());
+    for (i, h) in hints.iter().enumerate().take(level) {
+        println!("  {}. {}\n", i + 1, h.replace('\n', "\n     "));
+    }
+    if level < hints.len() {
+        println!("(run it again for hint {})", level + 1);
+    } else {
+        println!("(that was the last one; the reference answer is solutions/{slug}.rs)");
+    }
+    exit(0)
+}
+
+/// The hint texts of exercise `k` in a lesson README, as plain text.
+fn hints(readme: &str, k: usize) -> Vec<String> {
+    let head = format!("### {k}.");
+    let Some(start) = readme.find(&head) else { return vec![] };
+    let section = &readme[start + head.len()..];
+    let end = section.find("\n### ").or_else(|| section.find("\n## ")).unwrap_or(section.len());
+    let mut out = Vec::new();
+    let mut rest = &section[..end];
+    while let Some(i) = rest.find("<details><summary>") {
+        rest = &rest[i..];
+        let Some(body_at) = rest.find("</summary>") else { break };
+        let Some(close) = rest.find("</details>") else { break };
+        out.push(html_to_text(&rest[body_at + "</summary>".len()..close]));
+        rest = &rest[close..];
+    }
+    out
+}
+
+fn html_to_text(h: &str) -> String {
+    let h = h.replace("<code>", "`").replace("</code>", "`");
+    let mut out = String::new();
+    let mut in_tag = false;
+    for c in h.chars() {
+        match c {
+            '<' => in_tag = true,
+            '>' if in_tag => in_tag = false,
+            _ if !in_tag => out.push(c),
+            _ => {}
+        }
+    }
+    let out = out.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&amp;", "&");
+    out.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Re-grades a lesson each time its `exercise.rs` is saved.
+fn watch() -> ! {
+    use notify::{RecursiveMode, Watcher};
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut watcher = notify::recommended_watcher(tx).unwrap_or_else(|e| {
+        eprintln!("cannot watch files: {e}");
+        exit(2)
+    });
+    watcher.watch(&root().join("lessons"), RecursiveMode::Recursive).unwrap_or_else(|e| {
+        eprintln!("cannot watch lessons/: {e}");
+        exit(2)
+    });
+    print_table();
+    println!("\nwatching lessons/*/exercise.rs — save one to grade its lesson (Ctrl-C stops).");
+    loop {
+        let Ok(first) = rx.recv() else { exit(0) };
+        // Editors write in bursts (temporary file, rename, touch): collect a quiet 300 ms.
+        let mut events = vec![first];
+        while let Ok(e) = rx.recv_timeout(Duration::from_millis(300)) {
+            events.push(e);
+        }
+        let mut changed: Vec<String> = events
+            .into_iter()
+            .flatten()
+            .filter(|e| e.kind.is_modify() || e.kind.is_create())
+            .flat_map(|e| e.paths)
+            .filter(|p| p.file_name().is_some_and(|n| n == "exercise.rs"))
+            .filter_map(|p| {
+                let slug = p.parent()?.file_name()?.to_string_lossy().to_string();
+                Some(slug.split_once('_')?.0.to_string())
+            })
+            .collect();
+        changed.sort();
+        changed.dedup();
+        for nn in changed {
+            if lessons().iter().any(|l| l.0 == nn) {
+                println!("\n──────── lessons/{nn}_*/exercise.rs changed ────────");
+                grade_lesson(&nn, None);
+                println!("\nwatching — save again to re-grade (Ctrl-C stops).");
+            }
+        }
+    }
 }

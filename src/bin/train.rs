@@ -181,6 +181,12 @@ fn main() -> anyhow::Result<()> {
             s.comm_s,
             100.0 * s.hidden_comm_fraction
         );
+        if s.measured_steps < 5 {
+            println!(
+                "(throughput from {} timed step(s) after warm-up: rough; run more --steps than --warmup {} for a median)",
+                s.measured_steps, args.warmup
+            );
+        }
         if let Some(p) = &args.save {
             println!("saved {}", p.display());
         }

@@ -113,6 +113,43 @@ pub struct CommStats {
     pub collectives: u64,
     /// Point-to-point calls completed (each send and each recv).
     pub p2p: u64,
+    /// Completed calls per operation, indexed by `OpKind as usize` (read it with [`CommStats::calls`]).
+    pub per_op: [u64; 7],
+}
+
+impl CommStats {
+    /// How many `op` calls completed (`OpKind::P2p` counts each send and each recv).
+    pub fn calls(&self, op: super::OpKind) -> u64 {
+        self.per_op[op as usize]
+    }
+    /// What happened between `before` and `self` (both from the same group).
+    pub fn since(&self, before: &CommStats) -> CommStats {
+        let mut per_op = [0; 7];
+        for (i, c) in per_op.iter_mut().enumerate() {
+            *c = self.per_op[i] - before.per_op[i];
+        }
+        CommStats {
+            bytes_sent: self.bytes_sent - before.bytes_sent,
+            bytes_received: self.bytes_received - before.bytes_received,
+            collectives: self.collectives - before.collectives,
+            p2p: self.p2p - before.p2p,
+            per_op,
+        }
+    }
+    /// The collectives that ran, e.g. `"2 all_reduce, 1 broadcast"` (for error messages).
+    pub fn describe_calls(&self) -> String {
+        use super::OpKind::*;
+        let v: Vec<String> = [Barrier, Broadcast, AllReduce, AllGather, ReduceScatter, P2p]
+            .into_iter()
+            .filter(|&op| self.calls(op) > 0)
+            .map(|op| format!("{} {}", self.calls(op), op.name()))
+            .collect();
+        if v.is_empty() {
+            "no communication".into()
+        } else {
+            v.join(", ")
+        }
+    }
 }
 
 /// An operation a backend has checked and accepted (see [`CommBackend`]).

@@ -183,6 +183,9 @@ impl Host {
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx))).unwrap_or_else(|_| {
             Err(CommError::Io(format!("rank {}: {} panicked inside the communication layer", self.rank, desc)))
         });
+        if res.is_ok() {
+            self.counters.per_op[desc.op as usize].fetch_add(1, Ordering::Relaxed);
+        }
         match &res {
             Err(e) => self.t.abort(e),
             Ok(()) if desc.op == OpKind::P2p => _ = self.counters.p2p.fetch_add(1, Ordering::Relaxed),
@@ -209,6 +212,7 @@ impl CommBackend for HostBackend {
             bytes_received: c.received.load(Ordering::Relaxed),
             collectives: c.collectives.load(Ordering::Relaxed),
             p2p: c.p2p.load(Ordering::Relaxed),
+            per_op: std::array::from_fn(|i| c.per_op[i].load(Ordering::Relaxed)),
         }
     }
     fn resolve(&self, op: OpKind, algo: Algo) -> Algo {

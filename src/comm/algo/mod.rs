@@ -95,6 +95,8 @@ pub(crate) struct Counters {
     pub received: AtomicU64,
     pub collectives: AtomicU64,
     pub p2p: AtomicU64,
+    /// Completed calls per operation, indexed by `OpKind as usize`.
+    pub per_op: [AtomicU64; 7],
 }
 
 /// Everything an algorithm needs for one operation.

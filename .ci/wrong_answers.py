@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Prove that every lesson grader catches the mistakes learners make, and says which.
+
+Each entry below is a plausible wrong answer: the reference solution with one mistake put in (sum
+instead of average, the padding forgotten, an all-reduce where a reduce-scatter is asked, ...).
+For each, this script writes the mistaken solution over the lesson's exercise.rs, grades the
+exercise strictly (`SHARDLAB_GRADE=strict cargo test --test lessonNN exercise::exK_`) and
+requires that exercise K fails with a message containing `expect`. Mistakes of different
+exercises of one lesson are graded together (one build per round). exercise.rs is restored
+afterwards, whatever happens.
+
+Run from the repository root: `python3 .ci/wrong_answers.py [NN ...]`.
+"""
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+
+# (lesson, exercise, mistake, [(find, replace), ...], expect)
+WRONG = [
+    ("01", 1, "every rank dials every other rank",
+     [("((0..rank).collect(), (rank + 1..world_size).collect())",
+       "((0..world_size).filter(|&p| p != rank).collect(), vec![])")],
+     "does not accept"),
+    ("01", 2, "a missing rank is skipped instead of reported",
+     [("None => missing.push(r),", "None => {}"),
+      ("let mut missing = Vec::new();\n    for r in 0..world_size {\n        let left",
+       "let missing: Vec<usize> = Vec::new();\n    for r in 0..world_size {\n        let left")],
+     "must be an error"),
+    ("01", 3, "the first arrival opens the barrier",
+     [("== world_size as i64 {", ">= 1 {")],
+     "early"),
+    ("02", 1, "a chain instead of a binomial tree",
+     [("(Some(v - low), low)", "(Some(v - 1), low)")],
+     "binomial"),
+    ("02", 2, "relative ranks used as real ranks",
+     [("pg.recv(t, (p + root) % n)?;", "pg.recv(t, p)?;"), ("pg.send(t, (c + root) % n)?;", "pg.send(t, c)?;")],
+     "root"),
+    ("02", 3, "broadcast without the verification",
+     [("if hi.int64_value(&[0]) != lo.int64_value(&[0]) {", "if false {")],
+     "compare every rank's checksum"),
+    ("03", 1, "the remainder is forgotten",
+     [("numel * i / n..numel * (i + 1) / n", "numel / n * i..numel / n * (i + 1)")],
+     "cover all"),
+    ("03", 2, "the all-gather phase reuses the reduce-scatter schedule",
+     [("if gather {\n        ((rank + 1 + n - step) % n, (rank + n - step) % n)", "if false {\n        (0, 0)")],
+     "before it is complete"),
+    ("03", 3, "the all-gather phase adds instead of copying",
+     [("dst.copy_(&incoming);", "dst += &incoming;")],
+     "wrong sum"),
+    ("03", 3, "every rank sends before it receives (deadlocks over TCP)",
+     [("if r % 2 == 0 {", "if r < n {")],
+     "timed out"),
+    ("03", 4, "the ring's bandwidth term without 2(n-1)/n",
+     [("2.0 * (nf - 1.0) * alpha + 2.0 * (nf - 1.0) / nf * bytes * beta", "2.0 * (nf - 1.0) * alpha + bytes * beta")],
+     "ring for n=4"),
+    ("04", 1, "overlapping rows",
+     [("rank * b..(rank + 1) * b", "rank..rank + b")],
+     "rows overlap"),
+    ("04", 2, "nothing sent",
+     [("tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))", "let _ = (pg, params);\n    Ok(())")],
+     "communicated nothing"),
+    ("04", 3, "sum instead of average",
+     [("let _ = g.divide_scalar_(n);", "let _ = n;")],
+     "average"),
+    ("04", 4, "gradients never averaged",
+     [("    average_gradients(pg, &model.parameters())?;\n", "")],
+     "one process"),
+    ("05", 1, "buckets in forward order",
+     [("for i in (0..sizes.len()).rev() {", "for i in 0..sizes.len() {")],
+     "reverse"),
+    ("05", 2, "the latest stage instead of the earliest",
+     [(".min().expect(", ".max().expect(")],
+     "ready"),
+    ("05", 3, "a sync on every micro-batch",
+     [("dp.set_require_sync(last);", "dp.set_require_sync(true);\n        let _ = last;")],
+     "once per step"),
+    ("06", 1, "the padding is forgotten",
+     [("let shard = (numel + n - 1) / n;", "let shard = numel / n;")],
+     "pad"),
+    ("06", 2, "an all-reduce of zero-padded shards where an all-gather is asked",
+     [("pg.all_gather(&mut full, shard)?;",
+       "full.narrow(0, pg.rank() as i64 * shard.numel() as i64, shard.numel() as i64).copy_(shard);\n"
+       "    pg.all_reduce(&mut full, ReduceOp::Sum)?;")],
+     "exactly one all_gather"),
+    ("06", 3, "an all-reduce where a reduce-scatter is asked",
+     [("pg.reduce_scatter(&mut out, full_grad, ReduceOp::Avg)?;",
+       "let mut all = full_grad.copy();\n    pg.all_reduce(&mut all, ReduceOp::Avg)?;\n"
+       "    out.copy_(&all.narrow(0, pg.rank() as i64 * shard, shard));")],
+     "exactly one reduce_scatter"),
+    ("06", 3, "sum instead of average",
+     [("pg.reduce_scatter(&mut out, full_grad, ReduceOp::Avg)?;", "pg.reduce_scatter(&mut out, full_grad, ReduceOp::Sum)?;")],
+     "the average of every rank"),
+    ("07", 1, "stage 2 shards the parameters too",
+     [("2 => 2.0 * params + (2.0 + k) * params / dp,", "2 => (2.0 + 2.0 + k) * params / dp,")],
+     "stage 2: got"),
+    ("07", 2, "no bias correction",
+     [("let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));", "let (bc1, bc2) = (1.0, 1.0 + 0.0 * t as f64);")],
+     "libtorch"),
+    ("07", 3, "all_reduce(Sum) where an all-gather is asked",
+     [("pg.all_gather(flat, &shard.copy())", "let _ = shard;\n    pg.all_reduce(flat, ReduceOp::Sum)")],
+     "exactly one all_gather"),
+]
+
+
+def slug_of(nn):
+    for d in sorted(os.listdir("lessons")):
+        if d.startswith(nn + "_"):
+            return d
+    sys.exit(f"wrong_answers: no lessons/{nn}_*")
+
+
+def failure_sections(log):
+    """{test name: its failure output} from libtest's report."""
+    parts = re.split(r"^---- (\S+) stdout ----$", log, flags=re.M)
+    out = {}
+    for name, text in zip(parts[1::2], parts[2::2]):
+        out[name] = text.split("\nfailures:\n")[0]
+    return out
+
+
+def main():
+    only = set(sys.argv[1:])
+    by_lesson = defaultdict(list)
+    for w in WRONG:
+        if not only or w[0] in only:
+            by_lesson[w[0]].append(w)
+    failed = []
+    for nn, wrongs in sorted(by_lesson.items()):
+        slug = slug_of(nn)
+        solution = open(f"solutions/{slug}.rs").read()
+        exercise_path = f"lessons/{slug}/exercise.rs"
+        original = open(exercise_path).read()
+        # Rounds: at most one mistake per exercise in each build.
+        rounds = []
+        for w in wrongs:
+            for r in rounds:
+                if all(x[1] != w[1] for x in r):
+                    r.append(w)
+                    break
+            else:
+                rounds.append([w])
+        try:
+            for r in rounds:
+                src = solution
+                for (_, k, mistake, edits, _) in r:
+                    for find, repl in edits:
+                        if src.count(find) != 1:
+                            sys.exit(f"wrong_answers: lesson {nn} ex{k} ({mistake}): {find!r} is not in "
+                                     f"solutions/{slug}.rs exactly once — update .ci/wrong_answers.py")
+                        src = src.replace(find, repl)
+                with open(exercise_path, "w") as f:
+                    f.write(src)
+                env = dict(os.environ, SHARDLAB_GRADE="strict", SHARDLAB_NO_EXIT_TABLE="1")
+                p = subprocess.run(["cargo", "test", "--quiet", "--test", f"lesson{nn}", "exercise::"],
+                                   env=env, capture_output=True, text=True)
+                log = p.stdout + p.stderr
+                if "could not compile" in log:
+                    print(log)
+                    sys.exit(f"wrong_answers: lesson {nn}: a wrong answer does not compile")
+                sections = failure_sections(log)
+                for (_, k, mistake, _, expect) in r:
+                    mine = {t: s for t, s in sections.items() if re.search(rf"::ex{k}_", t)}
+                    if not mine:
+                        failed.append(f"lesson {nn} ex{k}: the grader PASSED a wrong answer ({mistake})")
+                    elif not any(expect in s for s in mine.values()):
+                        failed.append(f"lesson {nn} ex{k}: caught ({mistake}) but no message says {expect!r}:\n"
+                                      + "\n".join(mine.values()))
+                    else:
+                        print(f"wrong_answers: lesson {nn} ex{k}: caught '{mistake}'")
+        finally:
+            with open(exercise_path, "w") as f:
+                f.write(original)
+    if failed:
+        print("\n".join(failed))
+        sys.exit(f"wrong_answers: {len(failed)} wrong answer(s) not caught as they should be")
+    print(f"wrong_answers: all {sum(len(v) for v in by_lesson.values())} wrong answers caught")
+
+
+if __name__ == "__main__":
+    main()
