@@ -33,15 +33,25 @@ pub struct StateBytes {
     pub zero3: f64,
 }
 
+/// Bytes of optimizer state per parameter for AdamW trained in fp32 (momentum and variance, no
+/// separate master copy): what the course's CPU runs use, with 4-byte weights and gradients.
+pub const K_FP32_ADAM: f64 = 8.0;
+
 /// Model-state bytes per device for `params` parameters on `dp` devices with `k` optimizer
 /// bytes per parameter (16-bit weights and gradients).
 pub fn model_state_bytes(params: f64, dp: f64, k: f64) -> StateBytes {
+    model_state_bytes_with(params, dp, 2.0, 2.0, k)
+}
+
+/// The same accounting for any precision: `weight` and `grad` bytes per parameter (4 and 4 with
+/// [`K_FP32_ADAM`] for fp32 training: DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N).
+pub fn model_state_bytes_with(params: f64, dp: f64, weight: f64, grad: f64, k: f64) -> StateBytes {
     let p = params;
     StateBytes {
-        ddp: (2.0 + 2.0 + k) * p,
-        zero1: 2.0 * p + 2.0 * p + k * p / dp,
-        zero2: 2.0 * p + (2.0 + k) * p / dp,
-        zero3: (2.0 + 2.0 + k) * p / dp,
+        ddp: (weight + grad + k) * p,
+        zero1: weight * p + grad * p + k * p / dp,
+        zero2: weight * p + (grad + k) * p / dp,
+        zero3: (weight + grad + k) * p / dp,
     }
 }
 

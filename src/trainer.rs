@@ -1,16 +1,33 @@
 //! The Trainer: run a per-worker training loop on every rank, Ray Train style.
 //!
+//! <!-- listing: examples/trainer_fit.rs (compiled and run by tests/docs.rs) -->
 //! ```no_run
+//! use serde_json::json;
+//! use shardlab::ddp::train_step;
 //! use shardlab::prelude::*;
-//! use shardlab::trainer::{ScalingConfig, Strategy, Trainer};
-//! let scaling = ScalingConfig { num_workers: 2, strategy: Strategy::Ddp, ..ScalingConfig::default() };
-//! let fit = Trainer::new(scaling).progress(100).fit(|ctx| {
-//!     let model = Gpt::new(GptConfig::tiny(), 0)?;
+//!
+//! let scaling = ScalingConfig {
+//!     num_workers: 2,
+//!     backend: Backend::Tcp,
+//!     strategy: Strategy::Ddp,
+//!     variant: Variant::Bucketed,
+//!     bucket_cap_bytes: 4 << 20,
+//!     ..ScalingConfig::default()
+//! };
+//! let fit = Trainer::new(scaling).progress(20).fit(|ctx| {
+//!     let data = synthetic_corpus(1_000_000, 1);
+//!     let model = Gpt::new(GptConfig::bench(), 0)?;
 //!     let mut opt = AdamWConfig::default().build(&model)?;
-//!     let mut dp = ctx.prepare_model(Box::new(model))?;
-//!     // … for step in 0..100 { train_step(&mut *dp, &mut opt, &batch, 1)?; ctx.report(json!({"step": step, "loss": l}))?; }
-//!     Ok(())
-//! });
+//!     let mut dp = ctx.prepare_model(Box::new(model))?; // DDP: rank 0's weights broadcast
+//!     let n = ctx.world_size();
+//!     let sampler = DistributedSampler::new(128, 8 * n, ctx.rank(), n, 0)?;
+//!     for step in 0..20u64 {
+//!         let loss = train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), 1)?;
+//!         ctx.report(json!({"step": step, "loss": loss}))?; // this rank's local loss
+//!     }
+//!     Ok(dp.stats().hidden_fraction())
+//! })?;
+//! println!("rank 0 reported {} times; rank 1 hid {:.0}%", fit.reports.len(), 100.0 * fit.results[1]);
 //! ```
 //!
 //! * [`ScalingConfig`] — how many workers, which backend and strategy (Ray's `ScalingConfig`).

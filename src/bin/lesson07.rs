@@ -51,11 +51,13 @@ fn main() -> anyhow::Result<()> {
         save: None,
     };
     let strategies = [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3];
+    // The ZeRO model for fp32 AdamW (4-byte weights and gradients, K = 8), from shardlab::memory.
+    let zero = shardlab::memory::model_state_bytes_with(psi, n, 4.0, 4.0, shardlab::memory::K_FP32_ADAM);
     let model_bytes = |s: Strategy| match s {
-        Strategy::Ddp => 16.0 * psi,
-        Strategy::Zero1 => 8.0 * psi + 8.0 * psi / n,
-        Strategy::Zero2 => 4.0 * psi + 12.0 * psi / n,
-        _ => 16.0 * psi / n,
+        Strategy::Ddp => zero.ddp,
+        Strategy::Zero1 => zero.zero1,
+        Strategy::Zero2 => zero.zero2,
+        _ => zero.zero3,
     };
     if !a.json {
         println!(

@@ -16,12 +16,12 @@ use shardlab::memory::{activation_bytes, devices_needed, model_state_bytes, Tran
 #[derive(Parser, Debug)]
 #[command(about = "Per-device memory for DDP and ZeRO-1/2/3 (ZeRO paper accounting)")]
 struct Args {
-    /// Number of parameters (e.g. 7.5e9).
+    /// Number of parameters (default: the ZeRO paper's 7.5e9 example).
     #[arg(long)]
-    params: f64,
-    /// Data-parallel degree (devices).
-    #[arg(long, default_value_t = 1)]
-    dp: u64,
+    params: Option<f64>,
+    /// Data-parallel degree (devices; default 64 with the paper's example, else 1).
+    #[arg(long)]
+    dp: Option<u64>,
     /// Optimizer-state bytes per parameter (12: mixed-precision Adam).
     #[arg(long, default_value_t = K_MIXED_ADAM)]
     k: f64,
@@ -51,11 +51,20 @@ fn gb(b: f64) -> String {
 }
 
 fn main() -> anyhow::Result<()> {
-    let a = Args::parse();
-    anyhow::ensure!(a.params.is_finite() && a.params > 0.0, "--params must be a positive number");
-    anyhow::ensure!(a.dp >= 1, "--dp must be at least 1");
+    let mut a = Args::parse();
+    if a.params.is_none() {
+        println!(
+            "(no --params: the ZeRO paper's example, 7.5e9 parameters on 64 devices; \
+             `plan --params 70e9 --dp 8` for your own model)\n"
+        );
+        a.params = Some(7.5e9);
+        a.dp = Some(a.dp.unwrap_or(64));
+    }
+    let (params, dp) = (a.params.unwrap_or(7.5e9), a.dp.unwrap_or(1));
+    anyhow::ensure!(params.is_finite() && params > 0.0, "--params must be a positive number");
+    anyhow::ensure!(dp >= 1, "--dp must be at least 1");
     anyhow::ensure!(a.k >= 0.0, "--k must not be negative");
-    let s = model_state_bytes(a.params, a.dp as f64, a.k);
+    let s = model_state_bytes(params, dp as f64, a.k);
     let shape = match (a.layers, a.hidden, a.heads, a.seq) {
         (Some(layers), Some(hidden), Some(heads), Some(seq)) => {
             Some(TransformerShape { layers, hidden, heads, seq, micro_batch: a.micro_batch })
@@ -65,10 +74,10 @@ fn main() -> anyhow::Result<()> {
     };
     let acts = shape.map(|t| activation_bytes(&t));
     let act_used = acts.map(|(full, ckpt)| if a.checkpointing { ckpt } else { full }).unwrap_or(0.0);
-    let needed = a.device_gb.map(|g| devices_needed(a.params, a.k, act_used, g * 1e9, 1 << 20));
+    let needed = a.device_gb.map(|g| devices_needed(params, a.k, act_used, g * 1e9, 1 << 20));
     if a.json {
         let mut v = json!({
-            "params": a.params, "dp": a.dp, "k": a.k,
+            "params": params, "dp": dp, "k": a.k,
             "bytes_per_device": {"ddp": s.ddp, "zero1": s.zero1, "zero2": s.zero2, "zero3": s.zero3},
         });
         if let Some((full, ckpt)) = acts {
@@ -83,7 +92,7 @@ fn main() -> anyhow::Result<()> {
     }
     println!(
         "{:.3e} parameters, {} data-parallel devices, K = {} bytes of optimizer state per parameter",
-        a.params, a.dp, a.k
+        params, dp, a.k
     );
     println!("model states per device:");
     println!("  DDP     (2+2+K)Ψ        {:>12}", gb(s.ddp));

@@ -12,14 +12,16 @@
 //! operation reads it, or by [`ProcessGroup::finish`] (which [`crate::launch::spawn`] runs after
 //! every rank's work).
 //!
+//! <!-- listing: examples/all_reduce.rs (compiled and run by tests/docs.rs) -->
 //! ```no_run
 //! use shardlab::prelude::*;
-//! let out = spawn(4, Backend::Local, |pg| {
+//!
+//! let sums = spawn(4, Backend::Tcp, |pg| {
 //!     let mut t = Tensor::from_slice(&[pg.rank() as f32]);
-//!     pg.all_reduce(&mut t, ReduceOp::Sum)?;           // t = [0+1+2+3]
+//!     pg.all_reduce(&mut t, ReduceOp::Sum)?; // every rank: 0+1+2+3
 //!     Ok(t.double_value(&[0]))
-//! }).unwrap();
-//! assert_eq!(out, vec![6.0; 4]);
+//! })?;
+//! assert_eq!(sums, vec![6.0; 4]);
 //! ```
 //!
 //! # From `all_reduce` to the socket

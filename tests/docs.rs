@@ -1,0 +1,315 @@
+//! Text that cannot drift: every command the README, the lesson texts and the notebooks quote
+//! (`cargo run --bin X -- flags`, `cargo grade …`, `cargo test --test X`) names a target that
+//! exists, and every bin accepts the flags and values quoted — checked by running the bin itself
+//! with those arguments and `--help` (clap rejects an unknown flag or value before it prints help).
+//! Placeholders in upper case (`--world-size N`) are checked as flags only.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Markdown sources: the README, every lesson text and reference page, every notebook's markdown.
+fn documents() -> Vec<(PathBuf, String)> {
+    let mut out = vec![(root().join("README.md"), fs::read_to_string(root().join("README.md")).unwrap())];
+    let mut stack = vec![root().join("lessons")];
+    while let Some(dir) = stack.pop() {
+        for e in fs::read_dir(&dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "md") {
+                out.push((p.clone(), fs::read_to_string(&p).unwrap()));
+            }
+        }
+    }
+    for e in fs::read_dir(root().join("notebooks")).unwrap().flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "ipynb") {
+            let nb: serde_json::Value = serde_json::from_str(&fs::read_to_string(&p).unwrap()).unwrap();
+            let mut text = String::new();
+            for cell in nb["cells"].as_array().into_iter().flatten() {
+                let src = &cell["source"];
+                let s = match src {
+                    serde_json::Value::Array(lines) => lines.iter().filter_map(|l| l.as_str()).collect::<String>(),
+                    other => other.as_str().unwrap_or("").to_string(),
+                };
+                text.push_str(&s);
+                text.push('\n');
+            }
+            out.push((p, text));
+        }
+    }
+    out
+}
+
+/// `cargo …` commands quoted in `text`: inline code spans and lines of code blocks (a trailing
+/// `\` continues a line; `# comments` and env assignments before `cargo` are dropped).
+fn commands(text: &str) -> Vec<String> {
+    let joined = text.replace("\\\n", " ");
+    let mut found = Vec::new();
+    for line in joined.lines() {
+        let mut rest = line;
+        while let Some(i) = rest.find("cargo ") {
+            let start = &rest[i..];
+            let end = start.find(['`', '|', '#', '"', ')', ';']).unwrap_or(start.len());
+            let cmd = start[..end].split("&&").next().unwrap_or("").split_whitespace().collect::<Vec<_>>().join(" ");
+            found.push(cmd);
+            rest = &start[end.max(6)..];
+        }
+    }
+    found
+}
+
+fn bin_path(name: &str) -> PathBuf {
+    // Integration tests live in target/<profile>/deps; cargo builds the package's bins next to it.
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().join(name)
+}
+
+fn is_placeholder(tok: &str) -> bool {
+    tok.contains(['<', '…', '[', '{', '$'])
+        || tok.chars().all(|c| c.is_ascii_uppercase() || c == '_' || c == ',' || c.is_ascii_digit())
+            && tok.chars().any(|c| c.is_ascii_uppercase())
+            && !tok.chars().last().is_some_and(|c| c == 'K' || c == 'M') // sizes such as 4K, 64M
+}
+
+#[test]
+fn every_quoted_command_exists_and_accepts_its_flags() {
+    let bins: BTreeSet<String> = fs::read_dir(root().join("src/bin"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".rs").map(str::to_string))
+        .collect();
+    let tests: BTreeSet<String> = fs::read_dir(root().join("tests"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".rs").map(str::to_string))
+        .collect();
+    let lessons: BTreeSet<String> =
+        (0..100).map(|n| format!("{n:02}")).filter(|nn| tests.contains(&format!("lesson{nn}"))).collect();
+    let mut bad = Vec::new();
+    let mut checked = 0;
+    for (path, text) in documents() {
+        let file = path.strip_prefix(root()).unwrap_or(&path).display().to_string();
+        for cmd in commands(&text) {
+            let toks: Vec<&str> = cmd.split_whitespace().collect();
+            match toks.get(1).copied() {
+                Some("run") => {
+                    let Some(bi) = toks.iter().position(|&t| t == "--bin") else { continue };
+                    let Some(&name) = toks.get(bi + 1) else { continue };
+                    if is_placeholder(name) || name.starts_with("lessonNN") {
+                        continue;
+                    }
+                    if !bins.contains(name) {
+                        bad.push(format!("{file}: `{cmd}`: there is no bin `{name}`"));
+                        continue;
+                    }
+                    let args: Vec<&str> = match toks.iter().position(|&t| t == "--") {
+                        Some(i) => toks[i + 1..].to_vec(),
+                        None => vec![],
+                    };
+                    checked += 1;
+                    if let Err(e) = check_bin_args(name, &args) {
+                        bad.push(format!("{file}: `{cmd}`: {e}"));
+                    }
+                }
+                Some("grade") => {
+                    if let Some(nn) = toks.get(2).filter(|t| t.chars().all(|c| c.is_ascii_digit())) {
+                        checked += 1;
+                        if !lessons.contains(*nn) {
+                            bad.push(format!("{file}: `{cmd}`: lesson {nn} has no grader"));
+                        }
+                    }
+                }
+                Some("test") => {
+                    if let Some(i) = toks.iter().position(|&t| t == "--test") {
+                        if let Some(&t) = toks.get(i + 1) {
+                            checked += 1;
+                            if !is_placeholder(t) && !t.contains("NN") && !tests.contains(t) {
+                                bad.push(format!("{file}: `{cmd}`: there is no test target `{t}`"));
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    assert!(checked > 20, "found only {checked} commands to check: is the extraction broken?");
+    assert!(bad.is_empty(), "commands quoted in the texts that would not run as written:\n{}", bad.join("\n"));
+}
+
+/// Runs the bin with `args` and `--help`: exit 0 if clap accepts every flag and value. Placeholder
+/// values are left out (their flag is then checked against the help text).
+fn check_bin_args(name: &str, args: &[&str]) -> Result<(), String> {
+    let mut real = Vec::new();
+    let mut flags_only = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i];
+        let next = args.get(i + 1).copied();
+        if a.starts_with("--") && next.is_some_and(is_placeholder) {
+            flags_only.push(a.split('=').next().unwrap().to_string());
+            i += 2;
+            continue;
+        }
+        if is_placeholder(a) {
+            i += 1;
+            continue;
+        }
+        real.push(a.to_string());
+        i += 1;
+    }
+    let out = Command::new(bin_path(name))
+        .args(&real)
+        .arg("--help")
+        .env("SHARDLAB_DOCS_CHECK", "1")
+        .output()
+        .map_err(|e| format!("cannot run {name}: {e}"))?;
+    let help = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!("{name} rejects these arguments: {}", err.lines().next().unwrap_or("")));
+    }
+    for f in flags_only {
+        if !help.contains(&format!("{f} ")) && !help.contains(&format!("{f}\n")) && !help.contains(&format!("{f}=")) {
+            return Err(format!("{name} has no flag {f}"));
+        }
+    }
+    Ok(())
+}
+
+/// The lines between `// listing: begin` and `// listing: end` of a compiled file, dedented.
+fn listing(path: &str) -> Option<String> {
+    let src = fs::read_to_string(root().join(path)).ok()?;
+    let body = src.split_once("// listing: begin\n")?.1.split_once("// listing: end")?.0;
+    let indent = body.lines().filter(|l| !l.trim().is_empty()).map(|l| l.len() - l.trim_start().len()).min()?;
+    Some(
+        body.lines()
+            .map(|l| l.get(indent..).unwrap_or("").trim_end())
+            .collect::<Vec<_>>()
+            .join("\n")
+            .trim_end()
+            .to_string(),
+    )
+}
+
+/// Markdown of the texts, plus the doc comments of the library's sources (`//!`, `///`).
+fn texts_with_code() -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = documents()
+        .into_iter()
+        .filter(|(p, _)| p.extension().is_some_and(|x| x == "md"))
+        .map(|(p, t)| (p.strip_prefix(root()).unwrap_or(&p).display().to_string(), t))
+        .collect();
+    let mut stack = vec![root().join("src")];
+    while let Some(dir) = stack.pop() {
+        for e in fs::read_dir(&dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let doc: String = fs::read_to_string(&p)
+                    .unwrap()
+                    .lines()
+                    .filter_map(|l| {
+                        let t = l.trim_start();
+                        t.strip_prefix("//!")
+                            .or_else(|| t.strip_prefix("///"))
+                            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                    })
+                    .map(|l| format!("{l}\n"))
+                    .collect();
+                out.push((p.strip_prefix(root()).unwrap().display().to_string(), doc));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_rust_listing_is_a_compiled_file() {
+    let mut bad = Vec::new();
+    let mut found = 0;
+    for (file, text) in texts_with_code() {
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, l) in lines.iter().enumerate() {
+            let fence = l.trim_start();
+            let is_rust = fence == "```rust" || fence.starts_with("```rust,") || fence == "```no_run" || fence == "```";
+            // A bare ``` opens a block only where no block is open: count fences before this one.
+            let open = lines[..i].iter().filter(|x| x.trim_start().starts_with("```")).count() % 2 == 0;
+            if !(is_rust && open) || (fence == "```" && !looks_like_rust(&lines[i + 1..])) {
+                continue;
+            }
+            found += 1;
+            let marker = i.checked_sub(1).map(|j| lines[j]).unwrap_or("");
+            let Some(path) = marker.trim().strip_prefix("<!-- listing: ").and_then(|m| m.split_whitespace().next())
+            else {
+                bad.push(format!(
+                    "{file}:{}: a Rust listing without `<!-- listing: examples/….rs -->` above it",
+                    i + 1
+                ));
+                continue;
+            };
+            let end = lines[i + 1..]
+                .iter()
+                .position(|x| x.trim_start().starts_with("```"))
+                .map_or(lines.len(), |e| i + 1 + e);
+            let shown = lines[i + 1..end].iter().map(|l| l.trim_end()).collect::<Vec<_>>().join("\n");
+            match listing(path) {
+                None => bad.push(format!("{file}:{}: {path} has no `// listing: begin` … `// listing: end`", i + 1)),
+                Some(want) if want.trim_end() != shown.trim_end() => {
+                    bad.push(format!("{file}:{}: the listing differs from {path}; it should read:\n{want}", i + 1))
+                }
+                _ => {}
+            }
+        }
+    }
+    assert!(found >= 4, "found only {found} Rust listings: is the scan broken?");
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+fn looks_like_rust(after: &[&str]) -> bool {
+    after.first().is_some_and(|l| l.starts_with("use ") || l.starts_with("let ") || l.starts_with("fn "))
+}
+
+/// The listed examples run (they are compiled by `cargo test` with the rest).
+#[test]
+fn the_listed_examples_run() {
+    let dir = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples");
+    for name in ["all_reduce", "trainer_fit"] {
+        if !dir.join(name).exists() {
+            // `cargo test` builds the examples; `cargo test --test docs` alone does not.
+            eprintln!("examples/{name}.rs is not built: run plain `cargo test` to run it");
+            continue;
+        }
+        let out = Command::new(dir.join(name))
+            .env("SHARDLAB_TIMEOUT_S", "60")
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run examples/{name}.rs ({}): {e}", dir.display()));
+        assert!(
+            out.status.success(),
+            "examples/{name}.rs failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn the_extraction_finds_commands() {
+    let md = "Run `cargo run --release --bin collectives -- --world-size 2` or\n```sh\nSHARDLAB_TRANSPORT=tcp cargo run --bin train -- \\\n  --steps 3   # short\ncargo grade 03 --hint 2\n```";
+    let c = commands(md);
+    assert_eq!(
+        c,
+        vec![
+            "cargo run --release --bin collectives -- --world-size 2",
+            "cargo run --bin train -- --steps 3",
+            "cargo grade 03 --hint 2"
+        ]
+    );
+    assert!(is_placeholder("N") && is_placeholder("NN") && is_placeholder("<file>"));
+    assert!(!is_placeholder("64M") && !is_placeholder("4K,1M") && !is_placeholder("2"));
+}
