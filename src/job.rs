@@ -135,6 +135,13 @@ impl GptJob {
             let mut l = Tensor::from_slice(&[local]);
             ctx.group().all_reduce(&mut l, ReduceOp::Avg)?;
             let loss = l.double_value(&[0]);
+            // Every rank holds the same averaged loss, so every rank stops here together.
+            anyhow::ensure!(
+                loss.is_finite(),
+                "step {step}: the loss is {loss} — training diverged (learning rate {} too high?); \
+                 the losses so far: {losses:.4?}",
+                self.optim.lr
+            );
             losses.push(loss);
             if step >= warmup {
                 step_s.push(dt);

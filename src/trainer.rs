@@ -98,6 +98,9 @@ pub struct ScalingConfig {
     /// ZeRO-3/FSDP: free each block's parameters after its forward (see
     /// [`Zero::reshard_after_forward`](crate::zero::Zero::reshard_after_forward)).
     pub reshard_after_forward: bool,
+    /// ZeRO/FSDP: consecutive transformer blocks per unit (see
+    /// [`Zero::with_blocks_per_unit`](crate::zero::Zero::with_blocks_per_unit)); default 1.
+    pub blocks_per_unit: usize,
     pub comm: CommConfig,
     /// Arguments for re-executed worker processes (tests pass `--exact NAME`); default: ours.
     pub child_args: Option<Vec<String>>,
@@ -115,6 +118,7 @@ impl Default for ScalingConfig {
             bucket_cap_bytes: ddp::DEFAULT_BUCKET_CAP_BYTES,
             threads_per_worker: None,
             reshard_after_forward: true,
+            blocks_per_unit: 1,
             comm: CommConfig::default(),
             child_args: None,
         }
@@ -162,7 +166,7 @@ impl<'a> TrainContext<'a> {
         let opt = optim.build(&*model)?;
         let dp: Box<dyn DataParallel + 'a> = match self.scaling.strategy.zero_stage() {
             Some(stage) => Box::new(
-                crate::zero::Zero::new(self.pg, model, stage, *optim)?
+                crate::zero::Zero::with_blocks_per_unit(self.pg, model, stage, *optim, self.scaling.blocks_per_unit)?
                     .reshard_after_forward(self.scaling.reshard_after_forward),
             ),
             None => self.prepare_model(model)?,
@@ -221,6 +225,21 @@ impl Trainer {
         }
         if s.strategy == Strategy::Single && s.num_workers != 1 {
             anyhow::bail!("the single strategy runs one worker, not {}", s.num_workers);
+        }
+        if s.blocks_per_unit == 0 {
+            anyhow::bail!("blocks_per_unit must be at least 1");
+        }
+        // More compute threads than cores: every rank waits for the others' time slices, and a
+        // collective runs at the pace of the slowest. Say so once (the driver only).
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let threads = s.num_workers * s.threads_per_worker.unwrap_or(1).max(1) as usize;
+        if threads > cores && !crate::launch::is_spawned_child() {
+            eprintln!(
+                "warning: {} worker(s) × {} libtorch thread(s) = {threads} compute threads on {cores} core(s): \
+                 oversubscribed, steps will be slower and uneven (fewer workers or threads_per_worker fix it)",
+                s.num_workers,
+                s.threads_per_worker.unwrap_or(1)
+            );
         }
         Ok(())
     }

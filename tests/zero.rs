@@ -50,10 +50,18 @@ enum Strat {
     Zero(Stage),
     /// ZeRO-3 keeping gathered units from forward to backward (no recompute).
     Zero3NoReshard,
+    /// ZeRO-3 with both blocks of the tiny GPT in one unit.
+    Zero3TwoBlockUnits,
 }
 
-const STRATS: [Strat; 5] =
-    [Strat::Ddp, Strat::Zero(Stage::One), Strat::Zero(Stage::Two), Strat::Zero(Stage::Three), Strat::Zero3NoReshard];
+const STRATS: [Strat; 6] = [
+    Strat::Ddp,
+    Strat::Zero(Stage::One),
+    Strat::Zero(Stage::Two),
+    Strat::Zero(Stage::Three),
+    Strat::Zero3NoReshard,
+    Strat::Zero3TwoBlockUnits,
+];
 
 /// Run every strategy on this rank (accumulation 2 for stage 1: the no_sync path).
 fn run_all(pg: &ProcessGroup) -> anyhow::Result<Vec<Vec<f32>>> {
@@ -69,6 +77,9 @@ fn run_all(pg: &ProcessGroup) -> anyhow::Result<Vec<Vec<f32>>> {
             }
             Strat::Zero3NoReshard => {
                 (Box::new(Zero::new(pg, Box::new(model), Stage::Three, opt_cfg())?.reshard_after_forward(false)), 2)
+            }
+            Strat::Zero3TwoBlockUnits => {
+                (Box::new(Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Three, opt_cfg(), 2)?), 1)
             }
         };
         let s = DistributedSampler::new(16, GLOBAL, pg.rank(), pg.world_size(), 2)?;
@@ -104,6 +115,37 @@ fn every_stage_matches_one_process_tcp() {
     for n in 1..=4 {
         let opts = SpawnOptions::new(n, Backend::Tcp).launch(Launch::Threads);
         check(spawn_with(opts, run_all).unwrap(), &format!("tcp n={n}"));
+    }
+}
+
+#[test]
+fn larger_units_make_fewer_collectives() {
+    // Four blocks: one unit each (4 block units + the root), or two per unit (2 + the root).
+    // ZeRO-3 gathers the root once per step and each block unit twice (forward, backward), and
+    // reduce-scatters every unit once: counted by the group itself (CommStats).
+    let cfg = GptConfig { n_layer: 4, ..GptConfig::tiny() };
+    let out = spawn(2, Backend::Local, move |pg| {
+        let mut v = Vec::new();
+        for k in [1, 2, 4] {
+            let model = Gpt::new(cfg, 1)?;
+            let mut opt = opt_cfg().build(&model)?;
+            let mut z = Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Three, opt_cfg(), k)?;
+            let b = DistributedSampler::new(16, 8, pg.rank(), 2, 0)?.batch(&corpus(), 0);
+            let before = pg.stats();
+            ddp::train_step(&mut z, &mut opt, &b, 1)?;
+            let ran = pg.stats().since(&before);
+            v.push((k, ran.calls(OpKind::AllGather), ran.calls(OpKind::ReduceScatter), ran.calls(OpKind::AllReduce)));
+        }
+        let zero_blocks = Zero::with_blocks_per_unit(pg, Box::new(Gpt::new(cfg, 1)?), Stage::Three, opt_cfg(), 0);
+        anyhow::ensure!(zero_blocks.is_err(), "0 blocks per unit must be refused");
+        Ok(v)
+    })
+    .unwrap();
+    for (k, gathers, scatters, reduces) in &out[0] {
+        let units = 4 / k;
+        assert_eq!(*gathers, 1 + 2 * units as u64, "{k} blocks per unit: all-gathers per step");
+        assert_eq!(*scatters, 1 + units as u64, "{k} blocks per unit: reduce-scatters per step");
+        assert_eq!(*reduces, 0, "{k} blocks per unit: no all-reduce");
     }
 }
 

@@ -35,6 +35,14 @@ struct Args {
     /// DDP bucket cap in MiB (PyTorch's bucket_cap_mb).
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
+    /// ZeRO/FSDP: transformer blocks per unit (FSDP's wrapping policy): larger units, fewer and
+    /// larger all-gathers and reduce-scatters, more memory in flight.
+    #[arg(long, default_value_t = 1)]
+    unit_blocks: usize,
+    /// ZeRO-3/FSDP: keep each gathered unit from its forward to its backward (one all-gather per
+    /// unit per step instead of two, no recompute; the full parameters stay alive meanwhile).
+    #[arg(long)]
+    no_reshard_after_forward: bool,
     #[arg(long, default_value_t = 4)]
     n_layer: i64,
     #[arg(long, default_value_t = 4)]
@@ -162,6 +170,9 @@ fn main() -> anyhow::Result<()> {
         (args.bucket_mb * 1024.0 * 1024.0) as usize,
     );
     scaling.threads_per_worker = args.threads;
+    anyhow::ensure!(args.unit_blocks >= 1, "--unit-blocks must be at least 1");
+    scaling.blocks_per_unit = args.unit_blocks;
+    scaling.reshard_after_forward = !args.no_reshard_after_forward;
     let s = args.job().fit(scaling, !args.json, args.json)?;
     if args.json {
         let mut v = serde_json::to_value(&s)?;

@@ -30,9 +30,13 @@
 //! Communication per step and rank (ring, f32): stages 1–2 send 2·(N−1)/N·4Ψ bytes, like DDP
 //! (reduce-scatter + all-gather = all-reduce); stage 3 adds a second all-gather in backward,
 //! 3·(N−1)/N·4Ψ = 1.5× DDP (less the root unit's, which is gathered once per step).
+//!
+//! [`round_trip`] has the same round trip driven by hand over a [`round_trip::UnitStack`], with the
+//! gathered units counted (lesson 06's exercise 4).
 
 pub mod adamw;
 pub mod flat;
+pub mod round_trip;
 
 use crate::comm::{CommError, CommResult, ProcessGroup, ReduceOp, Work};
 use crate::ddp::{DataParallel, DdpStats};
@@ -115,12 +119,33 @@ fn empty() -> Tensor {
 
 impl<'a> Zero<'a> {
     /// Shard `model` over `pg` for `stage` with AdamW `optim`; rank 0's weights are broadcast first.
+    /// One unit per block (see [`Zero::with_blocks_per_unit`] for larger units).
     pub fn new(pg: &'a ProcessGroup, model: Box<dyn Model + 'a>, stage: Stage, optim: AdamWConfig) -> CommResult<Self> {
+        Self::with_blocks_per_unit(pg, model, stage, optim, 1)
+    }
+
+    /// As [`Zero::new`], with `blocks_per_unit` consecutive blocks (model stages between the first
+    /// and the last) in each unit — FSDP's wrapping policy, DeepSpeed's bucket sizes. Larger units
+    /// mean fewer, larger all-gathers and reduce-scatters (less per-call latency α, better
+    /// bandwidth on small models) and more memory in flight: stage 3 holds up to two gathered
+    /// units (current and prefetched) and their flat gradients.
+    pub fn with_blocks_per_unit(
+        pg: &'a ProcessGroup,
+        model: Box<dyn Model + 'a>,
+        stage: Stage,
+        optim: AdamWConfig,
+        blocks_per_unit: usize,
+    ) -> CommResult<Self> {
+        if blocks_per_unit == 0 {
+            return Err(CommError::InvalidArgument(format!("rank {}: blocks_per_unit must be at least 1", pg.rank())));
+        }
         let mut params = model.parameters();
         tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
         let stages = model.param_stages();
         let last = model.num_stages() - 1;
-        let key = |i: usize| if stages[i] == 0 || stages[i] == last { 0 } else { stages[i] };
+        // Unit key: 0 for the root (first and last stages), else the block group's number.
+        let key =
+            |i: usize| if stages[i] == 0 || stages[i] == last { 0 } else { (stages[i] - 1) / blocks_per_unit + 1 };
         let mut keys: Vec<usize> = (0..params.len()).map(key).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -398,8 +423,11 @@ impl Zero<'_> {
             };
             inputs.push(xin);
             outputs.push(y);
+            // A unit of several blocks stays gathered until its last block has run.
             if let (Some(u), true) = (unit, recompute) {
-                self.release(u);
+                if self.block_unit(s + 1, &stage_uses) != Some(u) {
+                    self.release(u);
+                }
             }
         }
         let loss = outputs[n - 1].double_value(&[]);
@@ -444,7 +472,9 @@ impl Zero<'_> {
             }
             drop(grads);
             if let Some(u) = unit {
-                self.release(u);
+                if s == 0 || self.block_unit(s - 1, &stage_uses) != Some(u) {
+                    self.release(u);
+                }
             }
             // Units whose gradients are now final: start their reduction.
             if sync {

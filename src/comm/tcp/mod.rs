@@ -232,7 +232,14 @@ fn shm_setup(rank: usize, world: usize, store: &mut StoreClient, cfg: &CommConfi
             match shm::Segment::create(std::path::Path::new("/dev/shm"), &tag, rank, world, cfg.shm_exchange_bytes) {
                 Ok(s) => Some(Arc::new(s)),
                 Err(e) if want == DataPath::Shm => return Err(rdv(format!("SHARDLAB_TRANSPORT=shm, but {e}"))),
-                Err(_) => None,
+                Err(e) => {
+                    // Auto: still works over TCP, only slower — say why, once per rank.
+                    eprintln!(
+                        "shardlab: rank {rank}: no shared memory ({e}); using TCP to every peer \
+                         (SHARDLAB_TRANSPORT=tcp silences this, =shm makes it an error)"
+                    );
+                    None
+                }
             }
         }
     };
