@@ -1,12 +1,16 @@
 """Execute every notebook in notebooks/ headlessly through the real evcxr kernel.
 
 A compile error, an error output, a panic or a crashed kernel in any cell fails the run, and the
-real message is printed. Notebooks run one at a time (they share evcxr's build folder) and their
-outputs are not written back, so the committed notebooks stay small.
+real message is printed. Notebooks run one at a time (they share evcxr's build folder).
 
 Usage (after `bash .ci/setup-notebooks`):
-    .venv/bin/python .ci/run_notebooks.py [--save DIR] [NOTEBOOK ...]
---save DIR writes the executed notebooks (with outputs) to DIR for a look, never over the originals.
+    .venv/bin/python .ci/run_notebooks.py [--save DIR | --write] [NOTEBOOK ...]
+--save DIR writes the executed notebooks (with outputs) to DIR for a look.
+--write    refreshes the committed notebooks: each one that runs cleanly is written back over its
+           original with its outputs (so a learner sees the tables and plots before the first
+           kernel build), without execution timestamps; an output that names a path on this
+           machine fails the run instead.
+CI runs it without either: the committed outputs are not compared, every notebook is re-executed.
 """
 import glob
 import os
@@ -39,11 +43,29 @@ def problems(nb):
     return out
 
 
+def scrub(nb):
+    """Outputs as committed: no execution timestamps, no kernel-session metadata."""
+    for cell in nb.cells:
+        cell.get("metadata", {}).pop("execution", None)
+        for o in cell.get("outputs", []):
+            o.get("metadata", {}).pop("execution", None)
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
+def machine_paths(nb):
+    text = nbformat.writes(nb)
+    return [p for p in (ROOT, os.path.expanduser("~"), "/tmp/") if p and p != "/" and p in text]
+
+
 def main(args):
     save = None
+    write = False
     if args[:1] == ["--save"]:
         save, args = args[1], args[2:]
         os.makedirs(save, exist_ok=True)
+    elif args[:1] == ["--write"]:
+        write, args = True, args[1:]
     paths = args or sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
     if not paths:
         print("notebooks: none found")
@@ -67,6 +89,12 @@ def main(args):
         name = os.path.relpath(path, ROOT)
         if save:
             nbformat.write(nb, os.path.join(save, os.path.basename(path)))
+        if write and not found:
+            leaks = machine_paths(scrub(nb))
+            if leaks:
+                found = [f"an output names a path on this machine ({', '.join(leaks)}): not written"]
+            else:
+                nbformat.write(nb, path)
         if found:
             failed += 1
             print(f"FAILED {name} ({time.time() - t:.0f} s)")

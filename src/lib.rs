@@ -37,7 +37,7 @@ pub mod prelude {
     pub use crate::launch::{is_spawned_child, spawn, spawn_with, Launch, LaunchError, SpawnOptions};
     pub use crate::model::{staged_backward, zero_grads, Batch, Gpt, GptConfig, Mlp, MlpConfig, Model};
     pub use crate::optim::AdamWConfig;
-    pub use crate::plot::{BarChart, LineChart};
+    pub use crate::plot::{BarChart, LineChart, Units};
     pub use crate::trainer::{ScalingConfig, Strategy, TrainContext, Trainer};
     pub use serde_json::json;
     pub use tch::{Device, Kind, Tensor};

@@ -1,16 +1,68 @@
-//! Small SVG charts for notebooks and reports, with no dependencies: line charts (optionally with a
-//! log2 x axis, e.g. message size) and bar charts. In an evcxr notebook, `chart.show()` displays
-//! the SVG inline (evcxr's `EVCXR_BEGIN_CONTENT image/svg+xml` protocol).
+//! Charts for notebooks and reports, drawn with [`plotters`](https://docs.rs/plotters) into SVG:
+//! line charts (message-size sweeps on a log₂ axis labelled 4 KiB … 64 MiB, optional log y) and
+//! grouped bar charts. One style everywhere: the same palette, fonts and sizes, a grid, tick labels
+//! in human units (`KiB`/`MiB`, `MB`, `1.5k`), and the legend in its own column right of the plot so
+//! it never covers data. In an evcxr notebook `chart.show()` displays the SVG inline (evcxr's
+//! `EVCXR_BEGIN_CONTENT image/svg+xml` protocol); `chart.svg()` returns it.
 
-use std::fmt::Write;
+use plotters::coord::Shift;
+use plotters::prelude::*;
 
-const W: f64 = 640.0;
-const H: f64 = 360.0;
-const L: f64 = 70.0; // left margin
-const R: f64 = 150.0; // right margin (legend)
-const T: f64 = 40.0;
-const B: f64 = 50.0;
-const COLORS: [&str; 6] = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"];
+const W: u32 = 720;
+const H: u32 = 380;
+/// Width of the legend column.
+const LEGEND_W: u32 = 170;
+const FONT: &str = "sans-serif";
+/// The palette (Tableau 10's first eight): series i always gets colour i.
+const PALETTE: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+];
+
+/// How tick values are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Units {
+    /// 0.5, 12, 1.5k, 2.3M.
+    #[default]
+    Plain,
+    /// Binary sizes: 512 B, 4 KiB, 64 MiB, 1 GiB.
+    Bytes,
+    /// Decimal sizes: 1.2 kB, 68 MB, 2.4 GB (what the lessons' memory tables use).
+    DecimalBytes,
+}
+
+/// Formats `v` in `units` for a tick label.
+pub fn human(v: f64, units: Units) -> String {
+    let trim = |x: f64| {
+        let s = if x.abs() >= 100.0 || x.fract() == 0.0 { format!("{x:.0}") } else { format!("{x:.3}") };
+        let s = if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s };
+        if s.len() > 5 && s.contains('.') {
+            format!("{x:.1}")
+        } else {
+            s
+        }
+    };
+    let scaled = |base: f64, names: [&str; 5]| {
+        let mut x = v;
+        let mut i = 0;
+        while x.abs() >= base && i < names.len() - 1 {
+            x /= base;
+            i += 1;
+        }
+        format!("{}{}", trim(x), names[i])
+    };
+    match units {
+        Units::Plain => scaled(1000.0, ["", "k", "M", "G", "T"]),
+        Units::Bytes => scaled(1024.0, [" B", " KiB", " MiB", " GiB", " TiB"]),
+        Units::DecimalBytes => scaled(1000.0, [" B", " kB", " MB", " GB", " TB"]),
+    }
+}
 
 /// A line chart: several named series of (x, y) points.
 #[derive(Clone, Debug, Default)]
@@ -18,7 +70,12 @@ pub struct LineChart {
     pub title: String,
     pub x_label: String,
     pub y_label: String,
+    /// x on a log₂ axis (sizes that double), ticks at powers of two.
     pub log2_x: bool,
+    /// y on a log₁₀ axis (bandwidths, times spanning decades).
+    pub log_y: bool,
+    pub x_units: Units,
+    pub y_units: Units,
     pub series: Vec<(String, Vec<(f64, f64)>)>,
 }
 
@@ -26,9 +83,20 @@ impl LineChart {
     pub fn new(title: &str, x_label: &str, y_label: &str) -> Self {
         LineChart { title: title.into(), x_label: x_label.into(), y_label: y_label.into(), ..Default::default() }
     }
-    /// Use a log2 x axis (for sizes that double).
+    /// A log₂ x axis for sizes that double; tick labels in binary units (4 KiB … 64 MiB).
     pub fn log2_x(mut self) -> Self {
         self.log2_x = true;
+        self.x_units = Units::Bytes;
+        self
+    }
+    /// A log₁₀ y axis.
+    pub fn log_y(mut self) -> Self {
+        self.log_y = true;
+        self
+    }
+    /// How the y ticks are written (e.g. [`Units::DecimalBytes`] for byte counts).
+    pub fn y_units(mut self, u: Units) -> Self {
+        self.y_units = u;
         self
     }
     pub fn series(mut self, name: &str, points: Vec<(f64, f64)>) -> Self {
@@ -38,52 +106,158 @@ impl LineChart {
 
     /// The chart as an SVG document.
     pub fn svg(&self) -> String {
-        let fx = |x: f64| if self.log2_x { x.max(f64::MIN_POSITIVE).log2() } else { x };
-        let pts: Vec<(f64, f64)> = self.series.iter().flat_map(|s| s.1.iter().map(|&(x, y)| (fx(x), y))).collect();
-        let (x0, x1) = bounds(pts.iter().map(|p| p.0));
-        let (_, y1) = bounds(pts.iter().map(|p| p.1));
-        let (y0, y1) = (0.0f64.min(bounds(pts.iter().map(|p| p.1)).0), y1 * 1.05);
-        let sx = |x: f64| L + (fx(x) - x0) / (x1 - x0).max(1e-12) * (W - L - R);
-        let sy = |y: f64| H - B - (y - y0) / (y1 - y0).max(1e-12) * (H - T - B);
-        let mut s = header(&self.title, &self.x_label, &self.y_label);
-        y_grid(&mut s, y0, y1, sy);
-        // x ticks at the data's x values (first series)
-        if let Some((_, first)) = self.series.first() {
-            for &(x, _) in first {
-                let label = if self.log2_x { crate::bench::fmt_size(x as u64) } else { num(x) };
-                let _ = write!(
-                    s,
-                    r##"<text x="{:.1}" y="{}" text-anchor="middle" font-size="11">{label}</text>"##,
-                    sx(x),
-                    H - B + 16.0
-                );
+        let mut out = String::new();
+        {
+            let root = SVGBackend::with_string(&mut out, (W, H)).into_drawing_area();
+            if let Err(e) = self.draw(&root) {
+                return error_svg(&format!("{e}"));
             }
+            let _ = root.present();
         }
-        for (i, (name, p)) in self.series.iter().enumerate() {
-            let c = COLORS[i % COLORS.len()];
-            let path: Vec<String> = p.iter().map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y))).collect();
-            let _ = write!(s, r##"<polyline fill="none" stroke="{c}" stroke-width="2" points="{}"/>"##, path.join(" "));
-            for &(x, y) in p {
-                let _ = write!(s, r##"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{c}"/>"##, sx(x), sy(y));
-            }
-            legend(&mut s, i, name, c);
-        }
-        s.push_str("</svg>");
-        s
+        out
     }
 
-    /// Display inline in an evcxr notebook (prints the SVG with evcxr's content markers).
+    fn draw(&self, root: &DrawingArea<SVGBackend, Shift>) -> Result<(), Box<dyn std::error::Error>> {
+        root.fill(&WHITE)?;
+        let (plot, legend_area) = root.split_horizontally(W - LEGEND_W);
+        let pts = || self.series.iter().flat_map(|s| s.1.iter().copied());
+        let finite = |v: f64, log: bool| v.is_finite() && (!log || v > 0.0);
+        let xs: Vec<f64> = pts().map(|p| p.0).filter(|&x| finite(x, self.log2_x)).collect();
+        let ys: Vec<f64> = pts().map(|p| p.1).filter(|&y| finite(y, self.log_y)).collect();
+        let (x0, x1) = range(&xs, self.log2_x, false);
+        let (y0, y1) = range(&ys, self.log_y, !self.log_y);
+        let (xs_lin, ys_lin) = (!self.log2_x, !self.log_y);
+        let mut chart = ChartBuilder::on(&plot)
+            .caption(&self.title, (FONT, 17))
+            .margin(12)
+            .x_label_area_size(42)
+            .y_label_area_size(64)
+            .build_cartesian_2d(
+                axis(x0, x1, xs_lin, self.log2_x, self.x_units),
+                axis(y0, y1, ys_lin, false, self.y_units),
+            )?;
+        chart
+            .configure_mesh()
+            .x_desc(self.x_label.as_str())
+            .y_desc(self.y_label.as_str())
+            .axis_desc_style((FONT, 14))
+            .label_style((FONT, 12))
+            .light_line_style(RGBColor(235, 235, 235))
+            .bold_line_style(RGBColor(215, 215, 215))
+            .x_labels(10)
+            .y_labels(7)
+            .draw()?;
+        for (i, (_, points)) in self.series.iter().enumerate() {
+            let c = PALETTE[i % PALETTE.len()];
+            let pts: Vec<(f64, f64)> =
+                points.iter().copied().filter(|&(x, y)| finite(x, self.log2_x) && finite(y, self.log_y)).collect();
+            chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
+        }
+        draw_legend(&legend_area, self.series.iter().map(|s| s.0.as_str()), false)?;
+        Ok(())
+    }
+
+    /// Display inline in an evcxr notebook.
     pub fn show(&self) {
         show_svg(&self.svg());
     }
 }
 
-/// A bar chart: groups (x labels) × series (colours).
+/// One axis: linear, log₂ (sizes) or log₁₀, with tick labels in `units`.
+fn axis(lo: f64, hi: f64, linear: bool, log2: bool, units: Units) -> Axis {
+    Axis { lo, hi, linear, log2, units }
+}
+
+/// A plotters coordinate for [`LineChart`]: linear or logarithmic, and its own tick labels.
+#[derive(Clone, Copy, Debug)]
+struct Axis {
+    lo: f64,
+    hi: f64,
+    linear: bool,
+    log2: bool,
+    units: Units,
+}
+
+impl Axis {
+    fn t(&self, v: f64) -> f64 {
+        if self.linear {
+            v
+        } else {
+            v.max(f64::MIN_POSITIVE).log10()
+        }
+    }
+}
+
+impl plotters::coord::ranged1d::Ranged for Axis {
+    type FormatOption = plotters::coord::ranged1d::NoDefaultFormatting;
+    type ValueType = f64;
+    fn map(&self, v: &f64, limit: (i32, i32)) -> i32 {
+        let (a, b) = (self.t(self.lo), self.t(self.hi));
+        let f = if b > a { (self.t(*v) - a) / (b - a) } else { 0.5 };
+        limit.0 + (f * (limit.1 - limit.0) as f64).round() as i32
+    }
+    fn key_points<Hint: plotters::coord::ranged1d::KeyPointHint>(&self, hint: Hint) -> Vec<f64> {
+        let max = hint.max_num_points().max(2);
+        if self.linear {
+            let span = self.hi - self.lo;
+            let raw = span / max as f64;
+            let mag = 10f64.powf(raw.log10().floor());
+            let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+                .iter()
+                .map(|m| m * mag)
+                .find(|s| span / s <= max as f64)
+                .unwrap_or(mag * 10.0);
+            let first = (self.lo / step).ceil() * step;
+            (0..=max + 1).map(|i| first + i as f64 * step).filter(|v| *v <= self.hi + step * 1e-9).collect()
+        } else {
+            let base: f64 = if self.log2 { 2.0 } else { 10.0 };
+            let (a, b) = (self.lo.log(base).floor() as i32, self.hi.log(base).ceil() as i32);
+            let inside = |v: &f64| *v >= self.lo * 0.999 && *v <= self.hi * 1.001;
+            // Every power, or every 2nd, 4th … (aligned: 4 KiB, 16 KiB, 64 KiB … read well).
+            let mut ticks = Vec::new();
+            for every in [1, 2, 4, 8, 16, 32] {
+                ticks = (a..=b).filter(|e| e.rem_euclid(every) == 0).map(|e| base.powi(e)).filter(inside).collect();
+                if ticks.len() <= max {
+                    break;
+                }
+            }
+            ticks
+        }
+    }
+    fn range(&self) -> std::ops::Range<f64> {
+        self.lo..self.hi
+    }
+}
+
+impl plotters::coord::ranged1d::ValueFormatter<f64> for Axis {
+    fn format_ext(&self, v: &f64) -> String {
+        human(*v, self.units)
+    }
+}
+
+/// A range covering `v` (with a little room), starting at 0 when asked and all values are ≥ 0.
+fn range(v: &[f64], log: bool, from_zero: bool) -> (f64, f64) {
+    if v.is_empty() {
+        return if log { (1.0, 10.0) } else { (0.0, 1.0) };
+    }
+    let (lo, hi) = v.iter().fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+    if log {
+        let (lo, hi) = if lo == hi { (lo / 2.0, hi * 2.0) } else { (lo, hi) };
+        return (lo / 1.15, hi * 1.15);
+    }
+    let lo = if from_zero && lo >= 0.0 { 0.0 } else { lo };
+    let pad = if hi > lo { (hi - lo) * 0.06 } else { hi.abs().max(1.0) * 0.1 };
+    (if from_zero && lo == 0.0 { 0.0 } else { lo - pad }, hi + pad)
+}
+
+/// A grouped bar chart: `groups` along x, one bar per series in each group.
 #[derive(Clone, Debug, Default)]
 pub struct BarChart {
     pub title: String,
     pub y_label: String,
     pub groups: Vec<String>,
+    pub y_units: Units,
     pub series: Vec<(String, Vec<f64>)>,
 }
 
@@ -93,122 +267,110 @@ impl BarChart {
             title: title.into(),
             y_label: y_label.into(),
             groups: groups.iter().map(|g| g.to_string()).collect(),
-            series: Vec::new(),
+            ..Default::default()
         }
+    }
+    /// How the y ticks are written (e.g. [`Units::DecimalBytes`] for byte counts).
+    pub fn y_units(mut self, u: Units) -> Self {
+        self.y_units = u;
+        self
     }
     pub fn series(mut self, name: &str, values: Vec<f64>) -> Self {
         self.series.push((name.into(), values));
         self
     }
+
+    /// The chart as an SVG document.
     pub fn svg(&self) -> String {
-        let y1 = self.series.iter().flat_map(|s| s.1.iter().copied()).fold(0.0f64, f64::max) * 1.1;
-        let y1 = if y1 > 0.0 { y1 } else { 1.0 };
-        let sy = |y: f64| H - B - y / y1 * (H - T - B);
-        let mut s = header(&self.title, "", &self.y_label);
-        y_grid(&mut s, 0.0, y1, sy);
-        let gw = (W - L - R) / self.groups.len().max(1) as f64;
-        let bw = gw * 0.8 / self.series.len().max(1) as f64;
-        for (g, label) in self.groups.iter().enumerate() {
-            let gx = L + g as f64 * gw + gw * 0.1;
-            let _ = write!(
-                s,
-                r##"<text x="{:.1}" y="{}" text-anchor="middle" font-size="11">{label}</text>"##,
-                gx + gw * 0.4,
-                H - B + 16.0
-            );
-            for (i, (_, v)) in self.series.iter().enumerate() {
-                let y = v.get(g).copied().unwrap_or(0.0);
-                let _ = write!(
-                    s,
-                    r##"<rect x="{:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{}"/>"##,
-                    gx + i as f64 * bw,
-                    sy(y),
-                    bw * 0.95,
-                    (H - B - sy(y)).max(0.0),
-                    COLORS[i % COLORS.len()]
-                );
+        let mut out = String::new();
+        {
+            let root = SVGBackend::with_string(&mut out, (W, H)).into_drawing_area();
+            if let Err(e) = self.draw(&root) {
+                return error_svg(&format!("{e}"));
             }
+            let _ = root.present();
         }
-        for (i, (name, _)) in self.series.iter().enumerate() {
-            legend(&mut s, i, name, COLORS[i % COLORS.len()]);
-        }
-        s.push_str("</svg>");
-        s
+        out
     }
+
+    fn draw(&self, root: &DrawingArea<SVGBackend, Shift>) -> Result<(), Box<dyn std::error::Error>> {
+        root.fill(&WHITE)?;
+        let (plot, legend_area) = root.split_horizontally(W - LEGEND_W);
+        let vals: Vec<f64> = self.series.iter().flat_map(|s| s.1.iter().copied()).filter(|v| v.is_finite()).collect();
+        let (y0, y1) = range(&vals, false, true);
+        let ng = self.groups.len().max(1);
+        let groups = self.groups.clone();
+        let mut chart = ChartBuilder::on(&plot)
+            .caption(&self.title, (FONT, 17))
+            .margin(12)
+            .x_label_area_size(42)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0f64..ng as f64, axis(y0, y1, true, false, self.y_units))?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(ng * 2 + 1)
+            .x_label_formatter(&|x| {
+                let i = x.floor() as usize;
+                if (x - i as f64 - 0.5).abs() < 1e-6 {
+                    groups.get(i).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .y_desc(self.y_label.as_str())
+            .axis_desc_style((FONT, 14))
+            .label_style((FONT, 12))
+            .light_line_style(RGBColor(235, 235, 235))
+            .bold_line_style(RGBColor(215, 215, 215))
+            .y_labels(7)
+            .draw()?;
+        let ns = self.series.len().max(1) as f64;
+        let width = 0.8 / ns;
+        for (si, (_, values)) in self.series.iter().enumerate() {
+            let c = PALETTE[si % PALETTE.len()];
+            chart.draw_series(values.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(g, &v)| {
+                let x = g as f64 + 0.1 + si as f64 * width;
+                Rectangle::new([(x, y0.max(0.0)), (x + width * 0.92, v)], c.filled())
+            }))?;
+        }
+        draw_legend(&legend_area, self.series.iter().map(|s| s.0.as_str()), true)?;
+        Ok(())
+    }
+
+    /// Display inline in an evcxr notebook.
     pub fn show(&self) {
         show_svg(&self.svg());
     }
 }
 
-/// Five horizontal grid lines with their values, from y0 to y1.
-fn y_grid(s: &mut String, y0: f64, y1: f64, sy: impl Fn(f64) -> f64) {
-    for i in 0..=4 {
-        let y = y0 + (y1 - y0) * i as f64 / 4.0;
-        let _ = write!(
-            s,
-            r##"<line x1="{L}" x2="{0}" y1="{1:.1}" y2="{1:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end" font-size="11">{4}</text>"##,
-            W - R,
-            sy(y),
-            L - 6.0,
-            sy(y) + 4.0,
-            num(y)
-        );
+/// The legend, in its own column: a swatch (a line for line charts, a square for bars) per series.
+fn draw_legend<'n>(
+    area: &DrawingArea<SVGBackend, Shift>,
+    names: impl Iterator<Item = &'n str>,
+    boxes: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    for (i, name) in names.enumerate() {
+        let c = PALETTE[i % PALETTE.len()];
+        let y = 48 + 22 * i as i32;
+        if boxes {
+            area.draw(&Rectangle::new([(6, y - 6), (18, y + 6)], c.filled()))?;
+        } else {
+            area.draw(&PathElement::new(vec![(2, y), (22, y)], c.stroke_width(2)))?;
+            area.draw(&Circle::new((12, y), 3, c.filled()))?;
+        }
+        let label: String =
+            if name.chars().count() > 24 { name.chars().take(23).chain(['…']).collect() } else { name.into() };
+        area.draw(&Text::new(label, (28, y - 7), (FONT, 13).into_font().color(&BLACK)))?;
     }
+    Ok(())
 }
 
-fn bounds(v: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = v.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
-    if lo.is_finite() {
-        (lo, if hi > lo { hi } else { lo + 1.0 })
-    } else {
-        (0.0, 1.0)
-    }
-}
-
-fn num(v: f64) -> String {
-    if v == 0.0 {
-        "0".into()
-    } else if v.abs() >= 100.0 {
-        format!("{v:.0}")
-    } else if v.abs() >= 1.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.3}")
-    }
-}
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
-}
-
-fn header(title: &str, x_label: &str, y_label: &str) -> String {
+fn error_svg(msg: &str) -> String {
+    let esc = msg.replace('&', "&amp;").replace('<', "&lt;");
     format!(
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif"><rect width="100%" height="100%" fill="white"/><text x="{}" y="22" text-anchor="middle" font-size="15">{}</text><text x="{}" y="{}" text-anchor="middle" font-size="12">{}</text><text transform="translate(16,{}) rotate(-90)" text-anchor="middle" font-size="12">{}</text><line x1="{L}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{L}" y1="{T}" x2="{L}" y2="{}" stroke="black"/>"##,
-        (W - R + L) / 2.0,
-        esc(title),
-        (W - R + L) / 2.0,
-        H - 12.0,
-        esc(x_label),
-        (H - B + T) / 2.0,
-        esc(y_label),
-        H - B,
-        W - R,
-        H - B,
-        H - B
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="40"><text x="8" y="24">chart: {esc}</text></svg>"#
     )
-}
-
-fn legend(s: &mut String, i: usize, name: &str, color: &str) {
-    let y = T + 10.0 + i as f64 * 18.0;
-    let _ = write!(
-        s,
-        r##"<rect x="{}" y="{}" width="12" height="12" fill="{color}"/><text x="{}" y="{}" font-size="12">{}</text>"##,
-        W - R + 12.0,
-        y - 10.0,
-        W - R + 30.0,
-        y,
-        esc(name)
-    );
 }
 
 /// Print an SVG so that evcxr shows it as an image.
@@ -221,17 +383,64 @@ mod tests {
     use super::*;
 
     #[test]
-    fn charts_are_well_formed_svg() {
+    fn human_units() {
+        assert_eq!(human(4096.0, Units::Bytes), "4 KiB");
+        assert_eq!(human(64.0 * 1024.0 * 1024.0, Units::Bytes), "64 MiB");
+        assert_eq!(human(1787597.0, Units::DecimalBytes), "1.788 MB");
+        assert_eq!(human(67_900_000.0, Units::DecimalBytes), "67.9 MB");
+        assert_eq!(human(1500.0, Units::Plain), "1.5k");
+        assert_eq!(human(0.25, Units::Plain), "0.25");
+        assert_eq!(human(12.0, Units::Plain), "12");
+    }
+
+    /// `SHARDLAB_PLOT_DUMP=dir cargo test --lib plot` writes the test charts there, to look at.
+    fn dump(name: &str, svg: &str) {
+        if let Ok(dir) = std::env::var("SHARDLAB_PLOT_DUMP") {
+            let _ = std::fs::write(std::path::Path::new(&dir).join(format!("{name}.svg")), svg);
+        }
+    }
+
+    /// `(x, text)` of every `<text>` element.
+    fn texts(svg: &str) -> Vec<(f64, String)> {
+        svg.split("<text")
+            .skip(1)
+            .filter_map(|t| {
+                let x = t.split("x=\"").nth(1)?.split('"').next()?.parse().ok()?;
+                let body = t.split_once('>')?.1.split("</text>").next()?.trim().to_string();
+                Some((x, body))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_size_sweep_has_log2_ticks_in_binary_units_and_the_legend_outside_the_plot() {
+        let pts: Vec<(f64, f64)> = (12..=26).step_by(2).map(|e| (2f64.powi(e), e as f64 / 10.0)).collect();
+        let model: Vec<(f64, f64)> = pts.iter().map(|&(x, y)| (x, y * 1.3)).collect();
         let l =
-            LineChart::new("bw", "size", "GB/s").log2_x().series("ring", vec![(4096.0, 0.1), (1048576.0, 2.0)]).svg();
-        assert!(
-            l.starts_with("<svg")
-                && l.ends_with("</svg>")
-                && l.contains("polyline")
-                && l.contains("4K")
-                && l.contains("1M")
-        );
-        let b = BarChart::new("mem", "GiB", &["ddp", "zero1"]).series("params", vec![1.0, 0.5]).svg();
-        assert_eq!(b.matches("<rect").count(), 1 + 2 + 1, "background, two bars, one legend swatch");
+            LineChart::new("bw", "message size", "GB/s").log2_x().series("ring", pts).series("α-β model", model).svg();
+        dump("sweep", &l);
+        assert!(l.starts_with("<svg") && l.trim_end().ends_with("</svg>"), "{l}");
+        let t = texts(&l);
+        let labels: Vec<&str> = t.iter().map(|x| x.1.as_str()).collect();
+        for tick in ["4 KiB", "64 KiB", "1 MiB", "16 MiB", "64 MiB"] {
+            assert!(labels.contains(&tick), "tick {tick} missing: {labels:?}");
+        }
+        assert!(!labels.iter().any(|l| l.parse::<f64>().is_ok_and(|v| v >= 1024.0)), "raw byte counts: {labels:?}");
+        let (x, _) = t.iter().find(|x| x.1 == "ring").expect("legend entry");
+        assert!(*x > (W - LEGEND_W) as f64, "legend at x={x}, inside the plot");
+    }
+
+    #[test]
+    fn bars_one_rect_per_value() {
+        let b = BarChart::new("mem", "bytes", &["ddp", "zero1"])
+            .y_units(Units::DecimalBytes)
+            .series("params", vec![67.9e6, 33.9e6])
+            .series("AdamW state", vec![135.8e6, 67.9e6])
+            .svg();
+        dump("bars", &b);
+        let labels: Vec<String> = texts(&b).into_iter().map(|x| x.1).collect();
+        assert!(labels.iter().any(|l| l == "ddp") && labels.iter().any(|l| l == "zero1"), "{labels:?}");
+        assert!(labels.iter().any(|l| l.ends_with(" MB")), "y ticks in MB: {labels:?}");
+        assert!(b.matches("<rect").count() >= 1 + 4 + 2, "background, four bars, two legend swatches");
     }
 }
