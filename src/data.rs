@@ -158,11 +158,16 @@ impl DistributedSampler {
         let mut rng = Rng::new(self.seed ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         (0..self.global_batch).map(|_| rng.below(span) as usize).collect()
     }
-    /// This rank's rows of step `step`'s global batch.
-    pub fn batch(&self, data: &Tokens, step: u64) -> Batch {
+    /// The window offsets of this rank's rows of step `step`: its contiguous slice of the global
+    /// batch (rank r takes rows r·B/N .. (r+1)·B/N).
+    pub fn local_offsets(&self, data: &Tokens, step: u64) -> Vec<usize> {
         let all = self.global_offsets(data, step);
         let b = self.local_batch();
-        data.windows(&all[self.rank * b..(self.rank + 1) * b], self.seq_len)
+        all[self.rank * b..(self.rank + 1) * b].to_vec()
+    }
+    /// This rank's rows of step `step`'s global batch.
+    pub fn batch(&self, data: &Tokens, step: u64) -> Batch {
+        data.windows(&self.local_offsets(data, step), self.seq_len)
     }
 }
 

@@ -331,6 +331,59 @@ fn functions(code: &str) -> Vec<(String, String)> {
     out
 }
 
+/// The crate's own directory (where `lessons/` and `tests/` are).
+pub fn crate_root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Where the graders record outcomes: the integration tests' `CARGO_TARGET_TMPDIR`.
+pub fn records_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| crate_root().join("target"));
+    let target = if target.is_absolute() { target } else { crate_root().join(target) };
+    target.join("tmp")
+}
+
+/// Grades your exercise file for lesson `nn` (as `cargo test` does: not started is not a failure)
+/// and returns the lesson's exercises with their status and the grader's messages — what a
+/// notebook's "grade my exercise" cell prints. Runs `cargo test --test lessonNN exercise::`, so
+/// the first call compiles the grader (a minute or so).
+pub fn grade(nn: &str) -> String {
+    use std::fmt::Write;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .current_dir(crate_root())
+        .args(["test", "--quiet", "--test", &format!("lesson{nn}"), "exercise::"])
+        .env("SHARDLAB_NO_EXIT_TABLE", "1")
+        // A notebook kernel may export LIBTORCH as an absolute path: let .cargo/config.toml set it,
+        // as for plain `cargo test`, so the build is shared instead of redone.
+        .env_remove("LIBTORCH")
+        .output();
+    let mut s = String::new();
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => return format!("cannot run cargo: {e}"),
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.contains("could not compile") {
+        return format!("your exercise file does not compile:\n{stderr}");
+    }
+    let Some(l) = progress(crate_root(), &records_dir()).into_iter().find(|l| l.nn == nn) else {
+        return format!("lesson {nn} has no exercises");
+    };
+    let _ = writeln!(s, "lesson {} — lessons/{}/exercise.rs:", l.nn, l.slug);
+    for (k, fns, st) in &l.exercises {
+        let _ = match st {
+            Status::Done => writeln!(s, "  ex{k} `{}`: done", fns.join("`, `")),
+            Status::NotStarted => writeln!(s, "  ex{k} `{}`: not started", fns.join("`, `")),
+            Status::NotGraded => writeln!(s, "  ex{k} `{}`: not graded (see the output above)", fns.join("`, `")),
+            Status::Failing(m) => {
+                writeln!(s, "  ex{k} `{}`: FAILING\n      {}", fns.join("`, `"), m.replace('\n', "\n      "))
+            }
+        };
+    }
+    s
+}
+
 /// One lesson as the progress table sees it.
 #[derive(Clone, Debug)]
 pub struct LessonProgress {

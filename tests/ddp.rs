@@ -217,3 +217,26 @@ fn sgd_steps_match_one_process_for_both_variants_and_uneven_accumulation() {
         }
     }
 }
+
+#[test]
+fn a_bad_bucket_assignment_is_an_error_on_every_rank() {
+    // Every parameter exactly once, no empty bucket: anything else is refused before any message.
+    type Assign = fn(&[usize], usize) -> Vec<Vec<usize>>;
+    let cases: [(Assign, &str); 4] = [
+        (|s, _| vec![(0..s.len()).collect(), vec![0]], "parameter 0 2 times"),
+        (|s, _| vec![(1..s.len()).collect()], "parameter 0 0 times"),
+        (|s, _| vec![(0..s.len()).collect(), vec![]], "empty bucket"),
+        (|s, _| vec![(0..=s.len()).collect()], "the model has"),
+    ];
+    for (assign, want) in cases {
+        let out = spawn(2, Backend::Local, move |pg| {
+            let model = Gpt::new(GptConfig::tiny(), 1)?;
+            Ok(ddp::DdpBucketed::with_assignment(pg, Box::new(model), 1024, assign).err().map(|e| e.to_string()))
+        })
+        .unwrap();
+        for (rank, err) in out.iter().enumerate() {
+            let err = err.as_deref().unwrap_or_else(|| panic!("rank {rank}: a bad assignment was accepted ({want})"));
+            assert!(err.contains(want) && err.contains(&format!("rank {rank}")), "rank {rank}: {err}");
+        }
+    }
+}

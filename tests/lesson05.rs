@@ -42,6 +42,35 @@ shardlab::graders! {
     }
 
     #[test]
+    fn ex1_the_librarys_ddp_trains_with_your_buckets() {
+        // DdpBucketed with your assign_buckets: 3 SGD steps on 2 ranks end where one process on
+        // the whole batch ends, with one all-reduce per bucket per step.
+        let (want, _) = reference(8);
+        for cap in [1usize, 8 * 1024, 1 << 30] {
+            let out = spawn(2, Backend::Local, move |pg| {
+                let data = synthetic_corpus(4000, 7);
+                let model = Gpt::new(GptConfig::tiny(), 1)?;
+                let mut opt = sgd(&model);
+                let mut dp = shardlab::ddp::DdpBucketed::with_assignment(pg, Box::new(model), cap, assign_buckets)?;
+                let buckets = dp.bucket_params().len() as u64;
+                let sampler = DistributedSampler::new(16, 8, pg.rank(), 2, 3)?;
+                let before = pg.stats();
+                for step in 0..3 {
+                    ddp::train_step(&mut dp, &mut opt, &sampler.batch(&data, step), 1)?;
+                }
+                let ran = pg.stats().since(&before);
+                Ok((flat(dp.model()), buckets, ran.calls(OpKind::AllReduce)))
+            })
+            .unwrap_or_else(|e| panic!("cap {cap}: training with your buckets failed: {e}"));
+            for (rank, (params, buckets, reduces)) in out.iter().enumerate() {
+                let worst = params.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst < 1e-5, "cap {cap} rank {rank}: DDP with your buckets differs from one process by {worst}");
+                assert_eq!(*reduces, 3 * buckets, "cap {cap} rank {rank}: one all-reduce per bucket per step");
+            }
+        }
+    }
+
+    #[test]
     fn ex2_a_bucket_is_ready_after_its_earliest_stage() {
         // GPT with 2 blocks: stage 0 embeddings, 1–2 blocks, 3 head.
         let m = Gpt::new(GptConfig::tiny(), 0).unwrap();

@@ -21,11 +21,8 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Where the graders record outcomes: the integration tests' `CARGO_TARGET_TMPDIR`.
 fn tmp_dir() -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
-    let target = if target.is_absolute() { target } else { root().join(target) };
-    target.join("tmp")
+    grading::records_dir()
 }
 
 /// `(NN, slug)` of every lesson with a grader.

@@ -64,11 +64,50 @@ pub struct DdpBucketed<'a> {
 impl<'a> DdpBucketed<'a> {
     /// Wrap `model` with buckets of at most `cap_bytes`; rank 0's weights are broadcast first.
     pub fn new(pg: &'a ProcessGroup, model: Box<dyn Model + 'a>, cap_bytes: usize) -> CommResult<Self> {
+        Self::with_assignment(pg, model, cap_bytes, assign_buckets)
+    }
+
+    /// As [`DdpBucketed::new`], with the buckets chosen by `assign(sizes, cap_bytes)` instead of
+    /// [`assign_buckets`] (lesson 05's grader trains with the learner's). The assignment must list
+    /// every parameter exactly once and no empty bucket; every rank must compute the same one.
+    pub fn with_assignment(
+        pg: &'a ProcessGroup,
+        model: Box<dyn Model + 'a>,
+        cap_bytes: usize,
+        assign: impl Fn(&[usize], usize) -> Vec<Vec<usize>>,
+    ) -> CommResult<Self> {
         let mut params = model.parameters();
-        tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
         let stages = model.param_stages();
         let sizes: Vec<usize> = params.iter().map(|p| p.numel() * 4).collect();
-        let buckets = assign_buckets(&sizes, cap_bytes.max(1))
+        let assignment = assign(&sizes, cap_bytes.max(1));
+        let mut seen = vec![0usize; params.len()];
+        for b in &assignment {
+            if b.is_empty() {
+                return Err(crate::comm::CommError::InvalidArgument(format!(
+                    "rank {}: the bucket assignment has an empty bucket: {assignment:?}",
+                    pg.rank()
+                )));
+            }
+            for &i in b {
+                if i >= params.len() {
+                    return Err(crate::comm::CommError::InvalidArgument(format!(
+                        "rank {}: the bucket assignment names parameter {i}; the model has {}",
+                        pg.rank(),
+                        params.len()
+                    )));
+                }
+                seen[i] += 1;
+            }
+        }
+        if let Some(i) = seen.iter().position(|&c| c != 1) {
+            return Err(crate::comm::CommError::InvalidArgument(format!(
+                "rank {}: the bucket assignment lists parameter {i} {} times (every parameter exactly once)",
+                pg.rank(),
+                seen[i]
+            )));
+        }
+        tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
+        let buckets = assignment
             .into_iter()
             .map(|idx| {
                 let mut offsets = Vec::with_capacity(idx.len());

@@ -113,6 +113,20 @@ pub struct Zero<'a> {
     reshard_after_forward: bool,
 }
 
+/// How ZeRO/FSDP groups a model's parameters into units: the parameter indices of each unit, in
+/// order. Unit 0 is the *root* (the parameters of the first and the last stage: embeddings, final
+/// LayerNorm, the tied output weights), then one unit per `blocks_per_unit` consecutive middle
+/// stages (transformer blocks). `param_stages[i]` is parameter i's stage ([`Model::param_stages`]).
+pub fn unit_plan(param_stages: &[usize], num_stages: usize, blocks_per_unit: usize) -> Vec<Vec<usize>> {
+    let last = num_stages.saturating_sub(1);
+    let per = blocks_per_unit.max(1);
+    let key = |s: usize| if s == 0 || s == last { 0 } else { (s - 1) / per + 1 };
+    let mut keys: Vec<usize> = param_stages.iter().map(|&s| key(s)).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.iter().map(|&k| (0..param_stages.len()).filter(|&i| key(param_stages[i]) == k).collect()).collect()
+}
+
 fn empty() -> Tensor {
     Tensor::empty([0], (Kind::Float, tch::Device::Cpu))
 }
@@ -142,18 +156,11 @@ impl<'a> Zero<'a> {
         let mut params = model.parameters();
         tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
         let stages = model.param_stages();
-        let last = model.num_stages() - 1;
-        // Unit key: 0 for the root (first and last stages), else the block group's number.
-        let key =
-            |i: usize| if stages[i] == 0 || stages[i] == last { 0 } else { (stages[i] - 1) / blocks_per_unit + 1 };
-        let mut keys: Vec<usize> = (0..params.len()).map(key).collect();
-        keys.sort_unstable();
-        keys.dedup();
+        let plan = unit_plan(&stages, model.num_stages(), blocks_per_unit);
         let (n, rank) = (pg.world_size(), pg.rank());
         let mut unit_of = vec![0; params.len()];
         let mut units = Vec::new();
-        for (u, &k) in keys.iter().enumerate() {
-            let idx: Vec<usize> = (0..params.len()).filter(|&i| key(i) == k).collect();
+        for (u, idx) in plan.into_iter().enumerate() {
             idx.iter().for_each(|&i| unit_of[i] = u);
             let layout = FlatLayout::new(idx.iter().map(|&i| params[i].size()).collect(), n);
             let flat = layout.flatten(&idx.iter().map(|&i| params[i].shallow_clone()).collect::<Vec<_>>());
@@ -168,6 +175,7 @@ impl<'a> Zero<'a> {
             };
             let opt = ShardedAdamW::new(optim, &layout, rank);
             let done_stage = idx.iter().map(|&i| stages[i]).min().unwrap_or(0);
+            let is_root = u == 0 && idx.iter().any(|&i| stages[i] == 0 || stages[i] + 1 == model.num_stages());
             units.push(Unit {
                 grad_shard: Tensor::zeros([layout.shard], (Kind::Float, tch::Device::Cpu)),
                 params: idx,
@@ -177,7 +185,7 @@ impl<'a> Zero<'a> {
                 grad_full: None,
                 opt,
                 done_stage,
-                is_root: k == 0,
+                is_root,
             });
         }
         Ok(Zero {
