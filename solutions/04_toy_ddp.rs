@@ -14,9 +14,32 @@ pub fn shard_rows(global_batch: usize, rank: usize, world_size: usize) -> Range<
 }
 
 /// Exercise 2 — make every rank start from rank 0's weights: overwrite each parameter, in place,
-/// with rank 0's values.
-pub fn sync_initial_weights(pg: &ProcessGroup, params: &mut [Tensor]) -> CommResult<()> {
-    tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))
+/// with rank 0's values, in as few broadcasts as buckets of at most `bucket_bytes` allow (packing
+/// consecutive parameters; a larger one alone).
+pub fn sync_initial_weights(pg: &ProcessGroup, params: &mut [Tensor], bucket_bytes: usize) -> CommResult<()> {
+    let bytes = |p: &Tensor| p.numel() * p.kind().elt_size_in_bytes();
+    let mut start = 0;
+    while start < params.len() {
+        // Greedy: extend the bucket while the next parameter still fits.
+        let (mut end, mut size) = (start + 1, bytes(&params[start]));
+        while end < params.len() && size + bytes(&params[end]) <= bucket_bytes {
+            size += bytes(&params[end]);
+            end += 1;
+        }
+        // (Σ numel,) of the bucket's parameters, one message from rank 0.
+        let mut flat = Tensor::cat(&params[start..end].iter().map(|p| p.detach().reshape([-1])).collect::<Vec<_>>(), 0);
+        pg.broadcast(&mut flat, 0)?;
+        tch::no_grad(|| {
+            let mut offset = 0;
+            for p in &mut params[start..end] {
+                let n = p.numel() as i64;
+                p.copy_(&flat.narrow(0, offset, n).view_as(p));
+                offset += n;
+            }
+        });
+        start = end;
+    }
+    Ok(())
 }
 
 /// Exercise 3 — after backward, replace every parameter's gradient with the average of that

@@ -2,6 +2,7 @@
 //! Same signatures as `lessons/06_fsdp_round_trip/exercise.rs`; graded by `tests/lesson06.rs`.
 
 use shardlab::prelude::*;
+use shardlab::zero::round_trip::{Gathered, UnitStack};
 use std::ops::Range;
 
 /// Exercise 1 — pad and shard. A unit of `numel` elements is padded to the next multiple of
@@ -27,4 +28,46 @@ pub fn reduce_scatter_grads(pg: &ProcessGroup, full_grad: &Tensor) -> CommResult
     let mut out = Tensor::zeros([shard], (full_grad.kind(), Device::Cpu));
     pg.reduce_scatter(&mut out, full_grad, ReduceOp::Avg)?;
     Ok(out)
+}
+
+/// Exercise 4 — the FSDP round trip of one training step over a stack of units. `shards[i]` is
+/// this rank's shard of unit i's flat parameters; `stack` computes a unit's forward and backward
+/// on its full flat parameters and hands out the buffers to gather them into. Gather each unit
+/// before its forward and again before its backward (units in reverse), always prefetching the
+/// next unit's gather; drop each gathered unit right after its compute; return this rank's shard
+/// of every unit's gradient, averaged over ranks.
+pub fn fsdp_round_trip(pg: &ProcessGroup, shards: &[Tensor], stack: &dyn UnitStack) -> CommResult<Vec<Tensor>> {
+    let units = stack.num_units();
+    // Start unit u's all-gather into a fresh buffer; the buffer counts as gathered from now on.
+    let start = |u: usize| -> CommResult<(Gathered, Work<Tensor>)> {
+        let buf = stack.buffer(u);
+        let work = pg.all_gather_async(buf.out(), shards[u].shallow_clone())?;
+        Ok((buf, work))
+    };
+    // Forward: units 0, 1, …, each gathered while the one before computes.
+    let mut next = if units > 0 { Some(start(0)?) } else { None };
+    for u in 0..units {
+        let (buf, work) = next.take().expect("started one unit ahead");
+        drop(work.wait()?); // the buffer is filled; the returned handle is the same memory
+        if u + 1 < units {
+            next = Some(start(u + 1)?); // prefetch
+        }
+        stack.forward(u, &buf);
+        drop(buf); // release: between its forward and its backward the rank holds only the shard
+    }
+    // Backward: units in reverse, re-gathered, again one ahead; each gradient reduce-scattered.
+    let mut grads: Vec<Tensor> = Vec::with_capacity(units);
+    let mut next = if units > 0 { Some(start(units - 1)?) } else { None };
+    for u in (0..units).rev() {
+        let (buf, work) = next.take().expect("started one unit ahead");
+        drop(work.wait()?);
+        if u > 0 {
+            next = Some(start(u - 1)?); // prefetch
+        }
+        let full_grad = stack.backward(u, &buf);
+        drop(buf);
+        grads.push(reduce_scatter_grads(pg, &full_grad)?);
+    }
+    grads.reverse();
+    Ok(grads)
 }

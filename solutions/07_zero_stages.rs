@@ -47,3 +47,32 @@ pub fn adamw_shard_step(
 pub fn all_gather_params(pg: &ProcessGroup, flat: &mut Tensor, shard: &Tensor) -> CommResult<()> {
     pg.all_gather(flat, &shard.copy())
 }
+
+/// Exercise 4 — a whole ZeRO-1 optimizer step on one flat parameter vector (padded to a multiple
+/// of the world size). `grad` is this rank's full flat gradient from its own backward; `flat` the
+/// full flat parameters, the same on every rank; `m`, `v` this rank's AdamW moments and `wd` the
+/// weight decay of each element of its shard; `t` the step number, from 1. Afterwards every rank's
+/// `flat` holds the parameters after one AdamW step on the gradient averaged over ranks.
+#[allow(clippy::too_many_arguments)]
+pub fn zero1_step(
+    pg: &ProcessGroup,
+    flat: &mut Tensor,
+    grad: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    wd: &Tensor,
+    t: i32,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+) -> CommResult<()> {
+    let shard_len = flat.numel() as i64 / pg.world_size() as i64;
+    // This rank's block of the gradient, averaged over ranks.
+    let mut g = Tensor::zeros([shard_len], (grad.kind(), Device::Cpu));
+    pg.reduce_scatter(&mut g, grad, ReduceOp::Avg)?;
+    // AdamW on the own shard only: a view into flat, updated in place.
+    let mut shard = flat.narrow(0, pg.rank() as i64 * shard_len, shard_len);
+    adamw_shard_step(&mut shard, &g, m, v, wd, t, lr, betas, eps);
+    // Everyone's updated shards into everyone's flat.
+    all_gather_params(pg, flat, &shard)
+}

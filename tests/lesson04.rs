@@ -51,19 +51,29 @@ shardlab::graders! {
     }
 
     #[test]
-    fn ex2_every_rank_starts_from_rank_0s_weights() {
-        for opts in [SpawnOptions::new(3, Backend::Local), tcp_threads(3)] {
-            let out = spawn_with(opts, |pg| {
-                let mut p = params(100 + pg.rank() as u64);
-                let before = pg.stats();
-                sync_initial_weights(pg, &mut p)?;
-                let ran = pg.stats().since(&before);
-                anyhow::ensure!(ran.collectives + ran.p2p > 0, "rank {}: sync_initial_weights communicated nothing", pg.rank());
-                Ok(shardlab::params::checksum(&p))
-            })
-            .unwrap();
-            let rank0 = shardlab::params::checksum(&params(100));
-            assert!(out.iter().all(|&c| c == rank0), "every rank must hold rank 0's initial weights");
+    fn ex2_every_rank_starts_from_rank_0s_weights_in_few_messages() {
+        // Parameters of 5, 300 and 1 f32 = 20, 1200 and 4 bytes. Buckets of consecutive parameters:
+        // cap 1 B → each alone, 3 broadcasts; cap 1220 B → [20 + 1200] [4], 2; cap 1 MiB → one.
+        for (cap, want) in [(1usize, 3u64), (1220, 2), (1 << 20, 1)] {
+            for opts in [SpawnOptions::new(3, Backend::Local), tcp_threads(3)] {
+                let out = spawn_with(opts, move |pg| {
+                    let mut p = params(100 + pg.rank() as u64);
+                    let before = pg.stats();
+                    sync_initial_weights(pg, &mut p, cap)?;
+                    let ran = pg.stats().since(&before);
+                    anyhow::ensure!(
+                        ran.calls(OpKind::Broadcast) == want && ran.collectives == want && ran.p2p == 0,
+                        "rank {}, buckets of at most {cap} bytes: {want} broadcast(s) move these 20 + 1200 + 4 \
+                         bytes; you made {}",
+                        pg.rank(),
+                        ran.describe_calls()
+                    );
+                    Ok(shardlab::params::checksum(&p))
+                })
+                .unwrap_or_else(|e| panic!("cap {cap}: {e}"));
+                let rank0 = shardlab::params::checksum(&params(100));
+                assert!(out.iter().all(|&c| c == rank0), "cap {cap}: every rank must hold rank 0's initial weights");
+            }
         }
     }
 
@@ -137,7 +147,7 @@ shardlab::graders! {
                     // Different initial weights per rank: sync_initial_weights must fix that.
                     let m = Gpt::new(GptConfig::tiny(), 1 + 10 * pg.rank() as u64)?;
                     let mut opt = AdamWConfig { lr: 3e-3, eps: 1e-6, ..AdamWConfig::default() }.build(&m)?;
-                    sync_initial_weights(pg, &mut m.parameters())?;
+                    sync_initial_weights(pg, &mut m.parameters(), 1 << 20)?;
                     let mut losses = Vec::new();
                     for s in 0..STEPS {
                         losses.push(ddp_step(pg, &m, &mut opt, &global_batch(s))?);
@@ -174,7 +184,7 @@ shardlab::graders! {
         let out = spawn(3, Backend::Local, |pg| {
             let m = Mlp::new(cfg.clone(), pg.rank() as u64)?;
             let mut opt = AdamWConfig::default().build(&m)?;
-            sync_initial_weights(pg, &mut m.parameters())?;
+            sync_initial_weights(pg, &mut m.parameters(), 1 << 20)?;
             let data = Mlp::new(cfg.clone(), 0)?.synthetic_batch(GLOBAL as i64, 5);
             for _ in 0..STEPS {
                 ddp_step(pg, &m, &mut opt, &data)?;

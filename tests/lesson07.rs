@@ -11,6 +11,7 @@ mod exercise_code;
 mod solution_code;
 
 use shardlab::prelude::*;
+use shardlab::zero::flat::FlatLayout;
 
 shardlab::graders! {
     lesson: "07", exercise_file: "lessons/07_zero_stages/exercise.rs";
@@ -100,6 +101,133 @@ shardlab::graders! {
                 let want: Vec<f32> = (0..n).flat_map(|r| [r as f32 + 1.0; 3]).collect();
                 assert!(out.iter().all(|v| *v == want), "n={n}: every rank must end with every rank's update (the buffer started stale, at -7, outside \
                      each rank's own shard): {out:?}");
+            }
+        }
+    }
+
+    // ---- exercise 4: a whole ZeRO-1 step ----
+
+    /// N ranks as threads, over the local backend and over TCP; a peer silent for a minute fails the test.
+    fn both(n: usize) -> [SpawnOptions; 2] {
+        let cfg = CommConfig::default().with_timeout(std::time::Duration::from_secs(60));
+        [
+            SpawnOptions::new(n, Backend::Local).config(cfg.clone()),
+            SpawnOptions::new(n, Backend::Tcp).launch(Launch::Threads).config(cfg),
+        ]
+    }
+
+    /// lr, betas, eps, weight decay of the ZeRO-1 tests. ε is large next to the gradients (~0.01)
+    /// so that a gradient N times too large changes the update: AdamW's m/√v alone cannot see it.
+    const HP: (f64, (f64, f64), f64, f64) = (0.01, (0.9, 0.95), 1e-3, 0.1);
+    const STEPS: i32 = 4;
+
+    /// Rank `q`'s gradient at step `t` for the 3×4 matrix and the 5-element bias (17 values).
+    fn rank_grad(q: usize, t: i32) -> Tensor {
+        Tensor::from_slice(&shardlab::rng::Rng::new(1000 * t as u64 + q as u64).normal_vec(17, 0.01))
+    }
+
+    /// Runs `STEPS` of this lesson's `zero1_step` on this rank next to libtorch's AdamW in one
+    /// process on the averaged gradient; after each step calls `check(t, communication, flat
+    /// params, libtorch's params, shard length)`.
+    fn zero1_next_to_libtorch(
+        pg: &ProcessGroup,
+        mut check: impl FnMut(i32, &CommStats, &Tensor, &Tensor, i64) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let (n, r) = (pg.world_size(), pg.rank());
+        let (lr, betas, eps, wd) = HP;
+        let mut rng = shardlab::rng::Rng::new(5);
+        let w0 = Tensor::from_slice(&rng.normal_vec(12, 1.0)).view([3, 4]);
+        let b0 = Tensor::from_slice(&rng.normal_vec(5, 1.0));
+        // Reference: tch's nn::AdamW (libtorch's) on the two tensors, matrix decayed, bias not.
+        let vs = tch::nn::VarStore::new(Device::Cpu);
+        let w = vs.root().var_copy("w", &w0);
+        let b = vs.root().set_group(1).var_copy("b", &b0);
+        use tch::nn::OptimizerConfig;
+        let mut opt = tch::nn::AdamW { beta1: betas.0, beta2: betas.1, wd, eps, amsgrad: false }.build(&vs, lr)?;
+        opt.set_weight_decay_group(0, wd);
+        opt.set_weight_decay_group(1, 0.0);
+        // ZeRO-1: both tensors in one flat buffer padded to a multiple of N; this rank's AdamW state.
+        let layout = FlatLayout::new(vec![vec![3, 4], vec![5]], n);
+        let mut flat = layout.flatten(&[w0, b0]);
+        let wdv = Tensor::zeros([layout.shard], (Kind::Float, Device::Cpu));
+        for (i, _, in_shard) in layout.shard_pieces(r) {
+            if i == 0 {
+                let _ = wdv.narrow(0, in_shard.start, in_shard.end - in_shard.start).fill_(wd);
+            }
+        }
+        let (mut m, mut v) = (wdv.zeros_like(), wdv.zeros_like());
+        for t in 1..=STEPS {
+            let grads: Vec<Tensor> = (0..n).map(|q| rank_grad(q, t)).collect();
+            let mean = Tensor::stack(&grads, 0).mean_dim(0, false, Kind::Float);
+            let loss = (&w * mean.narrow(0, 0, 12).view([3, 4])).sum(Kind::Float) + (&b * mean.narrow(0, 12, 5)).sum(Kind::Float);
+            loss.backward();
+            opt.step();
+            opt.zero_grad();
+            let reference = Tensor::cat(&[w.detach().view([-1]), b.detach()], 0);
+            let grad = layout.flatten(&[grads[r].narrow(0, 0, 12).view([3, 4]), grads[r].narrow(0, 12, 5)]);
+            let before = pg.stats();
+            zero1_step(pg, &mut flat, &grad, &mut m, &mut v, &wdv, t, lr, betas, eps)?;
+            let ran = pg.stats().since(&before);
+            check(t, &ran, &flat, &reference, layout.shard)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn ex4_zero1_step_is_libtorchs_adamw_on_the_averaged_gradient() {
+        for n in 1..=4 {
+            for opts in both(n) {
+                let backend = opts.backend;
+                spawn_with(opts, |pg| {
+                    zero1_next_to_libtorch(pg, |t, _, flat, reference, _| {
+                        anyhow::ensure!(flat.numel() as i64 >= 17, "rank {}: flat lost its size", pg.rank());
+                        let diff = (flat.narrow(0, 0, 17) - reference).abs().max().double_value(&[]);
+                        anyhow::ensure!(
+                            diff < 1e-6,
+                            "rank {}, step {t}: the parameters differ from libtorch's AdamW on the gradient averaged \
+                             over ranks by {diff:.3e} (every rank's flat must hold every rank's updated shard)",
+                            pg.rank()
+                        );
+                        Ok(())
+                    })
+                })
+                .unwrap_or_else(|e| panic!("n={n} {backend:?}: {e}"));
+            }
+        }
+    }
+
+    #[test]
+    fn ex4_zero1_step_is_one_reduce_scatter_and_one_all_gather() {
+        for n in 2..=4 {
+            for opts in both(n) {
+                let backend = opts.backend;
+                spawn_with(opts, |pg| {
+                    zero1_next_to_libtorch(pg, |t, ran, _, _, shard| {
+                        anyhow::ensure!(
+                            ran.calls(OpKind::AllReduce) == 0,
+                            "rank {}, step {t}: the step made {}; ZeRO-1 needs no all_reduce (each rank only needs its \
+                             own block of the averaged gradient: a reduce_scatter, half the bytes)",
+                            pg.rank(), ran.describe_calls()
+                        );
+                        anyhow::ensure!(
+                            ran.calls(OpKind::ReduceScatter) == 1 && ran.calls(OpKind::AllGather) == 1
+                                && ran.collectives == 2 && ran.p2p == 0,
+                            "rank {}, step {t}: the step made {}; want exactly one reduce_scatter (the gradient) and one \
+                             all_gather (the updated parameters)",
+                            pg.rank(), ran.describe_calls()
+                        );
+                        // Ring volume: the reduce-scatter and the all-gather each send N−1 shards.
+                        let want = 2 * (n as u64 - 1) * 4 * shard as u64;
+                        anyhow::ensure!(
+                            ran.bytes_sent == want,
+                            "rank {}, step {t}: sent {} bytes; a reduce-scatter and an all-gather of the flat vector \
+                             send 2·(N−1)·4·shard = {want}",
+                            pg.rank(), ran.bytes_sent
+                        );
+                        Ok(())
+                    })
+                })
+                .unwrap_or_else(|e| panic!("n={n} {backend:?}: {e}"));
             }
         }
     }

@@ -15,10 +15,11 @@ pub fn shard_rows(global_batch: usize, rank: usize, world_size: usize) -> Range<
 }
 
 /// Exercise 2 — make every rank start from rank 0's weights: overwrite each parameter, in place,
-/// with rank 0's values.
-pub fn sync_initial_weights(pg: &ProcessGroup, params: &mut [Tensor]) -> CommResult<()> {
-    // TODO: broadcast every parameter from rank 0, in place. Parameters require grad: do the
-    // in-place writes inside tch::no_grad(|| …).
+/// with rank 0's values, in as few broadcasts as buckets of at most `bucket_bytes` allow (packing
+/// consecutive parameters; a larger one alone).
+pub fn sync_initial_weights(pg: &ProcessGroup, params: &mut [Tensor], bucket_bytes: usize) -> CommResult<()> {
+    // TODO: send rank 0's parameters to every rank, a bucket of consecutive parameters per
+    // message, and write what arrives back into each parameter in place.
     todo!()
 }
 

@@ -8,7 +8,8 @@ use shardlab::prelude::*;
 /// devices, 16-bit weights and gradients (2 bytes each) and `k` bytes of optimizer state per
 /// parameter. `stage` 0 is plain data parallelism, 1–3 the ZeRO stages.
 pub fn zero_bytes_per_device(params: f64, dp: f64, k: f64, stage: u8) -> f64 {
-    // TODO: stage 0: (2+2+k)Ψ; stage 1: 2Ψ + 2Ψ + kΨ/N; stage 2: 2Ψ + (2+k)Ψ/N; stage 3: (2+2+k)Ψ/N.
+    // TODO: for each stage, add the bytes of weights, gradients and optimizer state that every
+    // device keeps whole to those it holds only 1/dp of (README, "Where the bytes go").
     todo!()
 }
 
@@ -37,5 +38,29 @@ pub fn adamw_shard_step(
 /// flat parameters, same on every rank afterwards).
 pub fn all_gather_params(pg: &ProcessGroup, flat: &mut Tensor, shard: &Tensor) -> CommResult<()> {
     // TODO: all-gather the shards into flat. The shard is a view into flat: gather from a copy.
+    todo!()
+}
+
+/// Exercise 4 — a whole ZeRO-1 optimizer step on one flat parameter vector (padded to a multiple
+/// of the world size). `grad` is this rank's full flat gradient from its own backward; `flat` the
+/// full flat parameters, the same on every rank; `m`, `v` this rank's AdamW moments and `wd` the
+/// weight decay of each element of its shard; `t` the step number, from 1. Afterwards every rank's
+/// `flat` holds the parameters after one AdamW step on the gradient averaged over ranks.
+#[allow(clippy::too_many_arguments)]
+pub fn zero1_step(
+    pg: &ProcessGroup,
+    flat: &mut Tensor,
+    grad: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    wd: &Tensor,
+    t: i32,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+) -> CommResult<()> {
+    // TODO: get this rank's block of the gradient averaged over all ranks with one collective
+    // (no rank needs the rest), run AdamW on this rank's own shard of flat (exercise 2), then give
+    // every rank every updated shard (exercise 3).
     todo!()
 }
