@@ -64,8 +64,11 @@ pub struct Exercise {
     pub number: usize,
     /// The functions of this exercise's section, in order.
     pub functions: Vec<String>,
-    /// Every one of them is still exactly `todo!()`.
+    /// Every one of its `pub fn`s (the stubs) is still exactly `todo!()`; helpers the learner adds
+    /// do not count.
     pub untouched: bool,
+    /// A fingerprint of the section's code, to tell whether a grading is still current.
+    pub fingerprint: u64,
 }
 
 /// Is this an opt-in to strict grading (`SHARDLAB_GRADE=strict`)?
@@ -107,18 +110,21 @@ pub fn run(g: Grader, test: &str, body: impl FnOnce()) {
         Err(payload) => {
             let mut msg = payload_message(&*payload);
             if msg.contains("not yet implemented") {
-                let others: Vec<String> = exercises(&src)
-                    .iter()
-                    .filter(|e| e.untouched && e.number != number)
-                    .map(|e| e.number.to_string())
-                    .collect();
-                msg = if others.is_empty() {
-                    format!("{msg}: a function of exercise {number} is still `todo!()` — finish every function of it")
-                } else {
-                    format!(
-                        "{msg}: this test of exercise {number} also runs exercise(s) {} of this lesson, still `todo!()` — do those first",
-                        others.join(", ")
-                    )
+                // Which todo!() fired: the hook kept the location of the last one.
+                let at = LAST_TODO.lock().map(|l| l.clone()).unwrap_or(None);
+                let (line, of) = match at {
+                    Some((file, line)) if file.ends_with("exercise.rs") => (line, exercise_at_line(&src, line)),
+                    _ => (0, None),
+                };
+                msg = match of {
+                    Some(k) if k == number => format!(
+                        "{msg}: line {line} of your exercise {number} is still `todo!()` — finish every function of it"
+                    ),
+                    Some(k) => format!(
+                        "{msg}: this test of exercise {number} also runs your exercise {k}, whose `todo!()` at line \
+                         {line} is not done yet — do exercise {k} first"
+                    ),
+                    None => format!("{msg}: a `todo!()` this test runs is not done yet"),
                 };
             }
             record(&g, test, &Status::Failing(msg));
@@ -166,6 +172,24 @@ fn payload_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// Where the last `todo!()` panicked (file, line): rank threads panic away from the test thread.
+static LAST_TODO: std::sync::Mutex<Option<(String, u32)>> = std::sync::Mutex::new(None);
+
+/// The exercise whose section holds line `line` (1-based) of an exercise file.
+fn exercise_at_line(src: &str, line: u32) -> Option<usize> {
+    let mut current = None;
+    for (i, l) in src.lines().enumerate() {
+        if let Some(rest) = l.trim_start().strip_prefix("/// Exercise ") {
+            let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+            current = digits.parse().ok().or(current);
+        }
+        if i + 1 == line as usize {
+            return current;
+        }
+    }
+    None
+}
+
 /// Panics print the grader's message and where it was raised — no backtrace, whatever
 /// `RUST_BACKTRACE` says (`SHARDLAB_BACKTRACE=1` restores Rust's default hook).
 fn install_quiet_hook() {
@@ -176,12 +200,19 @@ fn install_quiet_hook() {
         }
         panic::set_hook(Box::new(|info| {
             let msg = payload_message(info.payload());
+            if msg.contains("not yet implemented") {
+                if let (Some(l), Ok(mut last)) = (info.location(), LAST_TODO.lock()) {
+                    *last = Some((l.file().to_string(), l.line()));
+                }
+            }
             let thread = std::thread::current();
             let name = thread.name().unwrap_or("a thread");
             match info.location() {
                 // The grader's own "not started" needs no location.
                 Some(l) if l.file().ends_with("grading.rs") => eprintln!("{msg}"),
-                Some(l) => eprintln!("{msg}\n    (panicked in {name} at {}:{})", l.file(), l.line()),
+                Some(l) => {
+                    eprintln!("{msg}\n    (panicked in {name} at {}:{})", l.file().replace("tests/../", ""), l.line())
+                }
                 None => eprintln!("{msg}\n    (panicked in {name})"),
             }
         }));
@@ -192,17 +223,30 @@ fn record_dir(tmp_dir: &str, lesson: &str) -> PathBuf {
     Path::new(tmp_dir).join("grades").join(format!("lesson{lesson}"))
 }
 
+/// A record: the status, the fingerprint of the exercise's source it was graded on, the message.
 fn record(g: &Grader, test: &str, status: &Status) {
     let dir = record_dir(g.tmp_dir, g.lesson);
     let _ = fs::create_dir_all(&dir);
     let name = test.rsplit("::").next().unwrap_or(test);
+    let src = fs::read_to_string(g.exercise_file).unwrap_or_default();
+    let print = exercise_number(name)
+        .and_then(|k| exercises(&src).into_iter().find(|e| e.number == k))
+        .map_or(0, |e| e.fingerprint);
     let text = match status {
-        Status::Done => "done\n".to_string(),
-        Status::NotStarted => "not-started\n".to_string(),
-        Status::Failing(m) => format!("failing\n{m}"),
+        Status::Done => format!("done\n{print:016x}\n"),
+        Status::NotStarted => format!("not-started\n{print:016x}\n"),
+        Status::Failing(m) => format!("failing\n{print:016x}\n{m}"),
         Status::NotGraded => return,
     };
     let _ = fs::write(dir.join(name), text);
+}
+
+/// FNV-1a of the exercise's code without comments and whitespace: an edit of a comment or of
+/// another exercise leaves it alone.
+fn fingerprint(code: &str) -> u64 {
+    code.bytes()
+        .filter(|b| !b.is_ascii_whitespace())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 /// The exercises of an exercise file, from its `/// Exercise K` sections.
@@ -222,9 +266,18 @@ pub fn exercises(src: &str) -> Vec<Exercise> {
     for (i, &(at, number)) in starts.iter().enumerate() {
         let end = starts.get(i + 1).map_or(src.len(), |s| s.0);
         let code = strip_comments_and_strings(&src[at..end]);
-        let fns = functions(&code);
+        let fns: Vec<(String, String)> = functions(&code)
+            .into_iter()
+            .filter(|(n, _)| n.starts_with("pub "))
+            .map(|(n, b)| (n[4..].to_string(), b))
+            .collect();
         let untouched = !fns.is_empty() && fns.iter().all(|(_, body)| body == "todo!()");
-        out.push(Exercise { number, functions: fns.into_iter().map(|(n, _)| n).collect(), untouched });
+        out.push(Exercise {
+            number,
+            functions: fns.into_iter().map(|(n, _)| n).collect(),
+            untouched,
+            fingerprint: fingerprint(&code),
+        });
     }
     out
 }
@@ -295,6 +348,13 @@ fn functions(code: &str) -> Vec<(String, String)> {
             continue;
         }
         let name: String = code[i..].trim_start().chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        // `pub fn` (also `pub(crate) fn`): the stubs' functions; private ones are the learner's helpers.
+        let before = code[..at].trim_end();
+        let name = if before.ends_with("pub") || before.ends_with(')') && before.contains("pub(") {
+            format!("pub {name}")
+        } else {
+            name
+        };
         // The body opens at the first `{` outside parentheses; a `;` first means no body.
         let mut depth = 0i32;
         let mut open = None;
@@ -367,6 +427,7 @@ pub fn grade(nn: &str) -> String {
     if stderr.contains("could not compile") {
         return format!("your exercise file does not compile:\n{stderr}");
     }
+    let stdout = String::from_utf8_lossy(&out.stdout);
     let Some(l) = progress(crate_root(), &records_dir()).into_iter().find(|l| l.nn == nn) else {
         return format!("lesson {nn} has no exercises");
     };
@@ -375,11 +436,20 @@ pub fn grade(nn: &str) -> String {
         let _ = match st {
             Status::Done => writeln!(s, "  ex{k} `{}`: done", fns.join("`, `")),
             Status::NotStarted => writeln!(s, "  ex{k} `{}`: not started", fns.join("`, `")),
-            Status::NotGraded => writeln!(s, "  ex{k} `{}`: not graded (see the output above)", fns.join("`, `")),
+            Status::NotGraded => {
+                writeln!(s, "  ex{k} `{}`: not graded (the grader's output is below)", fns.join("`, `"))
+            }
             Status::Failing(m) => {
                 writeln!(s, "  ex{k} `{}`: FAILING\n      {}", fns.join("`, `"), m.replace('\n', "\n      "))
             }
         };
+    }
+    if l.exercises.iter().any(|e| e.2 == Status::NotGraded) {
+        let all: Vec<&str> = stdout.lines().chain(stderr.lines()).collect();
+        let _ = writeln!(s, "\nthe grader's last output:");
+        for line in &all[all.len().saturating_sub(30)..] {
+            let _ = writeln!(s, "  {line}");
+        }
     }
     s
 }
@@ -411,30 +481,30 @@ pub fn progress(root: &Path, tmp_dir: &Path) -> Vec<LessonProgress> {
     for (nn, slug) in lessons {
         let file = root.join("lessons").join(&slug).join("exercise.rs");
         let Ok(src) = fs::read_to_string(&file) else { continue };
-        let modified = fs::metadata(&file).and_then(|m| m.modified()).ok();
         let dir = record_dir(&tmp_dir.to_string_lossy(), &nn);
-        let mut records: Vec<(String, String, bool)> = Vec::new(); // (test, text, fresh)
+        let mut records: Vec<(String, String)> = Vec::new(); // (test, text)
         if let Ok(d) = fs::read_dir(&dir) {
             for e in d.flatten() {
-                let name = e.file_name().to_string_lossy().to_string();
-                let fresh = match (modified, e.metadata().and_then(|m| m.modified())) {
-                    (Some(src_t), Ok(rec_t)) => rec_t >= src_t,
-                    _ => false,
-                };
-                records.push((name, fs::read_to_string(e.path()).unwrap_or_default(), fresh));
+                records.push((
+                    e.file_name().to_string_lossy().to_string(),
+                    fs::read_to_string(e.path()).unwrap_or_default(),
+                ));
             }
         }
         let exercises = exercises(&src)
             .into_iter()
             .map(|ex| {
-                let mine: Vec<&(String, String, bool)> =
+                let mine: Vec<&(String, String)> =
                     records.iter().filter(|r| exercise_number(&r.0) == Some(ex.number)).collect();
+                // A record counts only if it graded this exercise's code as it is now.
+                let current = format!("{:016x}", ex.fingerprint);
+                let fresh = |r: &&(String, String)| r.1.lines().nth(1) == Some(current.as_str());
                 let status = if ex.untouched {
                     Status::NotStarted
-                } else if mine.is_empty() || mine.iter().any(|r| !r.2) {
+                } else if mine.is_empty() || !mine.iter().all(fresh) {
                     Status::NotGraded
                 } else if let Some(f) = mine.iter().find(|r| r.1.starts_with("failing")) {
-                    Status::Failing(f.1.split_once('\n').map(|x| x.1).unwrap_or("").trim().to_string())
+                    Status::Failing(f.1.splitn(3, '\n').nth(2).unwrap_or("").trim().to_string())
                 } else if mine.iter().all(|r| r.1.starts_with("done")) {
                     Status::Done
                 } else {
@@ -608,8 +678,19 @@ pub fn c() -> &'static str {
     fn finds_sections_and_untouched_bodies() {
         let ex = exercises(STUB);
         assert_eq!(ex.len(), 2);
-        assert_eq!(ex[0], Exercise { number: 1, functions: vec!["a".into()], untouched: true });
-        assert_eq!(ex[1], Exercise { number: 2, functions: vec!["b".into(), "c".into()], untouched: true });
+        assert_eq!((ex[0].number, &ex[0].functions, ex[0].untouched), (1, &vec!["a".to_string()], true));
+        assert_eq!(
+            (ex[1].number, &ex[1].functions, ex[1].untouched),
+            (2, &vec!["b".to_string(), "c".to_string()], true)
+        );
+        // A helper the learner adds below the last exercise does not start it.
+        let helper = format!("{STUB}\nfn my_helper(x: usize) -> usize {{ x + 1 }}\n");
+        let ex = exercises(&helper);
+        assert!(ex[1].untouched, "a private helper is not a stub");
+        assert_ne!(ex[1].fingerprint, exercises(STUB)[1].fingerprint, "but it changes the section's code");
+        assert_eq!(ex[0].fingerprint, exercises(STUB)[0].fingerprint, "exercise 1 did not change");
+        assert_eq!(exercise_at_line(STUB, 8), Some(1));
+        assert_eq!(exercise_at_line(STUB, 18), Some(2));
     }
 
     #[test]

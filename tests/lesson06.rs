@@ -163,6 +163,8 @@ shardlab::graders! {
         backward: bool,
         unit: usize,
         live: Vec<usize>,
+        /// Live units whose buffer had been handed to a collective (its gather started).
+        started: Vec<usize>,
     }
 
     /// The grader's `UnitStack`: the MLP's layers on this rank's rows, forward without a graph
@@ -189,7 +191,7 @@ shardlab::graders! {
             let mut seen = self.seen.borrow_mut();
             let k = seen.len();
             let (want_bwd, want_unit) = if k < l { (false, k) } else { (true, (2 * l - 1).saturating_sub(k)) };
-            seen.push(Seen { backward, unit, live: self.live.live() });
+            seen.push(Seen { backward, unit, live: self.live.live(), started: self.live.started() });
             let what = |b: bool, u: usize| format!("{}({u})", if b { "backward" } else { "forward" });
             let mut problems = self.problems.borrow_mut();
             if !problems.is_empty() {
@@ -422,7 +424,7 @@ shardlab::graders! {
                     let next = if s.backward { s.unit.checked_sub(1) } else { Some(s.unit + 1).filter(|&u| u < l) };
                     if let Some(next) = next {
                         anyhow::ensure!(
-                            s.live.contains(&next),
+                            s.started.contains(&next),
                             "rank {r}: when unit {}'s {} ran, unit {next}'s all-gather had not been started: prefetch one \
                              unit ahead (start the next unit's gather before computing this one). Alive at each \
                              compute: {}",

@@ -5,6 +5,7 @@
 //! cargo grade 03              grade lesson 03 strictly (an exercise not started fails)
 //! cargo grade 03 ex2          only exercise 2 of lesson 03
 //! cargo grade 03 --hint 2     the next hint for exercise 2 (run again for the one after)
+//! cargo grade 03 --hint 2 1   hints of exercise 2 up to the first (start over)
 //! cargo grade --watch         re-grade a lesson each time you save its exercise.rs
 //! ```
 //!
@@ -36,7 +37,7 @@ fn lessons() -> Vec<(String, String)> {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: cargo grade [NN [exK] | NN --hint K | --watch]\n  lessons with a grader: {}",
+        "usage: cargo grade [NN [exK] | NN --hint K [LEVEL] | --watch]\n  lessons with a grader: {}",
         lessons().iter().map(|l| l.0.as_str()).collect::<Vec<_>>().join(", ")
     );
     exit(2)
@@ -71,11 +72,26 @@ fn main() {
         }
         ["--watch"] => watch(),
         [nn, "--hint", k] | ["--hint", k, nn] => {
-            hint(&lesson_arg(nn), k.trim_start_matches("ex").parse().unwrap_or_else(|_| usage()))
+            hint(&lesson_arg(nn), k.trim_start_matches("ex").parse().unwrap_or_else(|_| usage()), None)
         }
+        [nn, "--hint", k, level] => hint(
+            &lesson_arg(nn),
+            k.trim_start_matches("ex").parse().unwrap_or_else(|_| usage()),
+            Some(level.parse().unwrap_or_else(|_| usage())),
+        ),
         [nn] => exit(grade_lesson(&lesson_arg(nn), None)),
         [nn, ex] if ex.starts_with("ex") && ex[2..].parse::<usize>().is_ok() => {
-            exit(grade_lesson(&lesson_arg(nn), Some(ex[2..].parse().unwrap())))
+            let (nn, k) = (lesson_arg(nn), ex[2..].parse().unwrap());
+            let known: Vec<usize> = grading::progress(root(), &tmp_dir())
+                .into_iter()
+                .find(|l| l.nn == nn)
+                .map(|l| l.exercises.iter().map(|e| e.0).collect())
+                .unwrap_or_default();
+            if !known.contains(&k) {
+                eprintln!("lesson {nn} has no exercise {k} (its exercises: {known:?})");
+                exit(2);
+            }
+            exit(grade_lesson(&nn, Some(k)))
         }
         _ => usage(),
     }
@@ -142,8 +158,9 @@ fn grade_lesson(nn: &str, ex: Option<usize>) -> i32 {
     if status.success() {
         println!("\nlesson {nn}{what}: passes.");
     } else {
+        let k = ex.map_or("K".to_string(), |k| k.to_string());
         println!(
-            "\nlesson {nn}{what}: not yet — the grader's messages are above; `cargo grade {nn} --hint K` for a hint."
+            "\nlesson {nn}{what}: not yet — the grader's messages are above; `cargo grade {nn} --hint {k}` for a hint."
         );
     }
     status.code().unwrap_or(1)
@@ -151,7 +168,7 @@ fn grade_lesson(nn: &str, ex: Option<usize>) -> i32 {
 
 /// Prints the hints for exercise `k` of lesson `nn`, one more each time (from the lesson's README:
 /// the `<details><summary>Hint …</summary>…</details>` blocks under `### K.`).
-fn hint(nn: &str, k: usize) -> ! {
+fn hint(nn: &str, k: usize, level: Option<usize>) -> ! {
     let slug = lessons().into_iter().find(|l| l.0 == nn).map(|l| l.1).unwrap();
     let readme = std::fs::read_to_string(root().join(format!("lessons/{slug}/README.md"))).unwrap_or_default();
     let hints = hints(&readme, k);
@@ -161,7 +178,8 @@ fn hint(nn: &str, k: usize) -> ! {
     }
     let state = tmp_dir().join("grades").join("hints").join(format!("{nn}-{k}"));
     let seen: usize = std::fs::read_to_string(&state).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
-    let level = (seen + 1).min(hints.len());
+    // An explicit level shows hints up to it (and sets the count there): `--hint K 1` starts over.
+    let level = level.unwrap_or(seen + 1).clamp(1, hints.len());
     let _ = std::fs::create_dir_all(state.parent().unwrap());
     let _ = std::fs::write(&state, level.to_string());
     println!("lesson {nn}, exercise {k} — hint {level} of {}:\n", hints.len());
@@ -169,7 +187,7 @@ fn hint(nn: &str, k: usize) -> ! {
         println!("  {}. {}\n", i + 1, h.replace('\n', "\n     "));
     }
     if level < hints.len() {
-        println!("(run it again for hint {})", level + 1);
+        println!("(run it again for hint {}; `cargo grade {nn} --hint {k} 1` starts over)", level + 1);
     } else {
         println!("(that was the last one; the reference answer is solutions/{slug}.rs)");
     }

@@ -13,14 +13,15 @@
 //! point is that this stays at two (the unit computing and the one prefetched), however many
 //! units the model has.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use tch::{Kind, Tensor};
 
 #[derive(Debug, Default)]
 struct Live {
-    /// The unit of every buffer alive now (a unit twice if two of its buffers are alive).
-    units: Vec<usize>,
+    /// The unit of every buffer alive now (a unit twice if two of its buffers are alive), and
+    /// whether its memory has been handed to a collective ([`Gathered::out`]).
+    units: Vec<(usize, Rc<Cell<bool>>)>,
     peak: usize,
     allocated: usize,
 }
@@ -40,15 +41,24 @@ impl LiveUnits {
     /// alive until the returned handle is dropped.
     pub fn alloc(&self, unit: usize, numel: i64) -> Gathered {
         let mut l = self.0.borrow_mut();
-        l.units.push(unit);
+        let started = Rc::new(Cell::new(false));
+        l.units.push((unit, started.clone()));
         l.allocated += 1;
         l.peak = l.peak.max(l.units.len());
-        Gathered { unit, full: Tensor::zeros([numel], (Kind::Float, tch::Device::Cpu)), live: self.clone() }
+        Gathered { unit, full: Tensor::zeros([numel], (Kind::Float, tch::Device::Cpu)), live: self.clone(), started }
     }
 
     /// The units whose buffers are alive now, sorted (a unit appears once per live buffer).
     pub fn live(&self) -> Vec<usize> {
-        let mut v = self.0.borrow().units.clone();
+        let mut v: Vec<usize> = self.0.borrow().units.iter().map(|u| u.0).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The live units whose buffer has been handed to a collective ([`Gathered::out`]): their
+    /// gather has at least been started.
+    pub fn started(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.0.borrow().units.iter().filter(|u| u.1.get()).map(|u| u.0).collect();
         v.sort_unstable();
         v
     }
@@ -72,6 +82,7 @@ pub struct Gathered {
     unit: usize,
     full: Tensor,
     live: LiveUnits,
+    started: Rc<Cell<bool>>,
 }
 
 impl Gathered {
@@ -84,6 +95,7 @@ impl Gathered {
     /// …)`): the collective writes into this `Gathered`'s memory. Do not read the parameters
     /// before the collective's `Work` has been waited on.
     pub fn out(&self) -> Tensor {
+        self.started.set(true);
         self.full.shallow_clone()
     }
 
@@ -96,7 +108,7 @@ impl Gathered {
 impl Drop for Gathered {
     fn drop(&mut self) {
         let mut l = self.live.0.borrow_mut();
-        if let Some(i) = l.units.iter().position(|&u| u == self.unit) {
+        if let Some(i) = l.units.iter().position(|u| Rc::ptr_eq(&u.1, &self.started)) {
             l.units.swap_remove(i);
         }
     }
@@ -131,9 +143,11 @@ mod tests {
         let a = live.alloc(0, 4);
         let b = live.alloc(1, 6);
         assert_eq!((live.live(), live.peak()), (vec![0, 1], 2));
+        assert!(live.started().is_empty(), "nothing handed to a collective yet");
         assert_eq!(b.params().numel(), 6);
         let _ = b.out().fill_(3.0);
         assert_eq!(b.params().double_value(&[5]), 3.0, "out() writes into the buffer");
+        assert_eq!(live.started(), vec![1]);
         drop(a);
         let c = live.alloc(1, 6);
         assert_eq!((live.live(), live.peak(), live.allocated()), (vec![1, 1], 2, 3));
