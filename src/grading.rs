@@ -45,6 +45,8 @@ pub struct Grader {
     pub exercise_file: &'static str,
     /// The test target's scratch directory (`CARGO_TARGET_TMPDIR`), where outcomes are recorded.
     pub tmp_dir: &'static str,
+    /// The names of the grader's tests.
+    pub tests: &'static [&'static str],
 }
 
 /// An exercise's state, as the progress table shows it.
@@ -89,6 +91,7 @@ pub fn run(g: Grader, test: &str, body: impl FnOnce()) {
     if g.who == Who::Solution {
         return body();
     }
+    prune_stale_records(&g);
     let number = exercise_number(test).unwrap_or(0);
     let src = fs::read_to_string(g.exercise_file).unwrap_or_default();
     let ex = exercises(&src).into_iter().find(|e| e.number == number);
@@ -138,7 +141,7 @@ pub fn run(g: Grader, test: &str, body: impl FnOnce()) {
 /// binary prints the progress table itself as it exits.
 fn table_at_exit(g: &Grader) {
     static PATHS: std::sync::OnceLock<(PathBuf, PathBuf)> = std::sync::OnceLock::new();
-    let root = g.exercise_file.find("/lessons/").map_or(".", |i| &g.exercise_file[..i]);
+    let root = g.exercise_file.rfind("/lessons/").map_or(".", |i| &g.exercise_file[..i]);
     // `cargo grade` prints its own table.
     if std::env::var_os("SHARDLAB_NO_EXIT_TABLE").is_some()
         || PATHS.set((PathBuf::from(root), PathBuf::from(g.tmp_dir))).is_err()
@@ -221,6 +224,21 @@ fn install_quiet_hook() {
 
 fn record_dir(tmp_dir: &str, lesson: &str) -> PathBuf {
     Path::new(tmp_dir).join("grades").join(format!("lesson{lesson}"))
+}
+
+/// Records of tests this grader no longer has (renamed or removed) would show forever: remove
+/// them, once per test process.
+fn prune_stale_records(g: &Grader) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let dir = record_dir(g.tmp_dir, g.lesson);
+        for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if !g.tests.contains(&name.as_str()) {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+    });
 }
 
 /// A record: the status, the fingerprint of the exercise's source it was graded on, the message.
@@ -614,8 +632,9 @@ macro_rules! graders {
                 lesson: $lesson,
                 exercise_file: concat!(env!("CARGO_MANIFEST_DIR"), "/", $file),
                 tmp_dir: env!("CARGO_TARGET_TMPDIR"),
+                tests: TESTS,
             };
-            $crate::graders!(@items [] $($items)*);
+            $crate::graders!(@items [] [] $($items)*);
         }
         /// The same grader run against your exercise file.
         mod exercise {
@@ -629,23 +648,34 @@ macro_rules! graders {
                 lesson: $lesson,
                 exercise_file: concat!(env!("CARGO_MANIFEST_DIR"), "/", $file),
                 tmp_dir: env!("CARGO_TARGET_TMPDIR"),
+                tests: TESTS,
             };
-            $crate::graders!(@items [] $($items)*);
+            $crate::graders!(@items [] [] $($items)*);
         }
     };
-    (@items [$($done:tt)*] $(#[doc = $doc:tt])* #[test] fn $name:ident() $body:block $($rest:tt)*) => {
+    (@items [$($done:tt)*] [$($names:tt)*] $(#[doc = $doc:tt])* #[test] fn $name:ident() $body:block $($rest:tt)*) => {
         $crate::graders!(@items [$($done)*
             $(#[doc = $doc])*
             #[test]
             fn $name() {
                 $crate::grading::run(GRADER, concat!(module_path!(), "::", stringify!($name)), || $body)
             }
-        ] $($rest)*);
+        ] [$($names)* stringify!($name),] $($rest)*);
     };
-    (@items [$($done:tt)*] $item:item $($rest:tt)*) => {
-        $crate::graders!(@items [$($done)* $item] $($rest)*);
+    (@items [$($done:tt)*] [$($names:tt)*] $(#[doc = $doc:tt])* #[test] $($rest:tt)*) => {
+        compile_error!(
+            "graders!: write each test as `#[test] fn exK_name() { … }` — doc comments may come before \
+             #[test]; other attributes and return types are not supported"
+        );
     };
-    (@items [$($done:tt)*]) => { $($done)* };
+    (@items [$($done:tt)*] [$($names:tt)*] $item:item $($rest:tt)*) => {
+        $crate::graders!(@items [$($done)* $item] [$($names)*] $($rest)*);
+    };
+    (@items [$($done:tt)*] [$($names:tt)*]) => {
+        $($done)*
+        /// This grader's tests (records of other names are stale: a renamed test's).
+        const TESTS: &[&str] = &[$($names)*];
+    };
 }
 
 #[cfg(test)]

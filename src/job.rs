@@ -138,9 +138,10 @@ impl GptJob {
             // Every rank holds the same averaged loss, so every rank stops here together.
             anyhow::ensure!(
                 loss.is_finite(),
-                "step {step}: the loss is {loss} — training diverged (learning rate {} too high?); \
-                 the losses so far: {losses:.4?}",
-                self.optim.lr
+                "step {step}: the loss is {loss} — training diverged (learning rate {} too high?); the last \
+                 losses: {:.4?}. The step's update already reached the weights: nothing was saved",
+                self.optim.lr,
+                &losses[losses.len().saturating_sub(4)..]
             );
             losses.push(loss);
             if step >= warmup {

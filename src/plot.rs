@@ -40,13 +40,13 @@ pub enum Units {
 /// Formats `v` in `units` for a tick label.
 pub fn human(v: f64, units: Units) -> String {
     let trim = |x: f64| {
-        let s = if x.abs() >= 100.0 || x.fract() == 0.0 { format!("{x:.0}") } else { format!("{x:.3}") };
+        let x = x + 0.0; // no "-0"
+                         // Three significant digits for small values (0.00012, 0.0025), whole numbers from 100.
+        let decimals =
+            if x == 0.0 || x.abs() >= 100.0 { 0 } else { (2 - x.abs().log10().floor() as i32).clamp(0, 12) as usize };
+        let s = if x.fract() == 0.0 { format!("{x:.0}") } else { format!("{x:.decimals$}") };
         let s = if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s };
-        if s.len() > 5 && s.contains('.') {
-            format!("{x:.1}")
-        } else {
-            s
-        }
+        s
     };
     let scaled = |base: f64, names: [&str; 5]| {
         let mut x = v;
@@ -209,7 +209,7 @@ impl plotters::coord::ranged1d::Ranged for Axis {
                 .find(|s| span / s <= max as f64)
                 .unwrap_or(mag * 10.0);
             let first = (self.lo / step).ceil() * step;
-            (0..=max + 1).map(|i| first + i as f64 * step).filter(|v| *v <= self.hi + step * 1e-9).collect()
+            (0..=max + 1).map(|i| first + i as f64 * step + 0.0).filter(|v| *v <= self.hi + step * 1e-9).collect()
         } else {
             let base: f64 = if self.log2 { 2.0 } else { 10.0 };
             let (a, b) = (self.lo.log(base).floor() as i32, self.hi.log(base).ceil() as i32);
@@ -221,6 +221,14 @@ impl plotters::coord::ranged1d::Ranged for Axis {
                 if ticks.len() <= max {
                     break;
                 }
+            }
+            if ticks.len() < 2 && !self.log2 {
+                // Less than a decade: 1, 2, 5 × powers of ten.
+                ticks = (a - 1..=b).flat_map(|e| [1.0, 2.0, 5.0].map(|m| m * 10f64.powi(e))).filter(inside).collect();
+            }
+            if ticks.len() < 2 {
+                // Still too few (a range inside one 1-2-5 step): the ends.
+                ticks = vec![self.lo, self.hi];
             }
             ticks
         }
@@ -246,9 +254,10 @@ fn range(v: &[f64], log: bool, from_zero: bool) -> (f64, f64) {
         let (lo, hi) = if lo == hi { (lo / 2.0, hi * 2.0) } else { (lo, hi) };
         return (lo / 1.15, hi * 1.15);
     }
-    let lo = if from_zero && lo >= 0.0 { 0.0 } else { lo };
+    // from_zero: the axis includes 0 (bars start there), whatever the signs.
+    let (lo, hi) = if from_zero { (lo.min(0.0), hi.max(0.0)) } else { (lo, hi) };
     let pad = if hi > lo { (hi - lo) * 0.06 } else { hi.abs().max(1.0) * 0.1 };
-    (if from_zero && lo == 0.0 { 0.0 } else { lo - pad }, hi + pad)
+    (if from_zero && lo == 0.0 { 0.0 } else { lo - pad }, if from_zero && hi == 0.0 { 0.0 } else { hi + pad })
 }
 
 /// A grouped bar chart: `groups` along x, one bar per series in each group.
@@ -329,9 +338,9 @@ impl BarChart {
         let width = 0.8 / ns;
         for (si, (_, values)) in self.series.iter().enumerate() {
             let c = PALETTE[si % PALETTE.len()];
-            chart.draw_series(values.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(g, &v)| {
+            chart.draw_series(values.iter().take(ng).enumerate().filter(|(_, v)| v.is_finite()).map(|(g, &v)| {
                 let x = g as f64 + 0.1 + si as f64 * width;
-                Rectangle::new([(x, y0.max(0.0)), (x + width * 0.92, v)], c.filled())
+                Rectangle::new([(x, 0.0), (x + width * 0.92, v)], c.filled())
             }))?;
         }
         draw_legend(&legend_area, self.series.iter().map(|s| s.0.as_str()), true)?;
@@ -386,10 +395,12 @@ mod tests {
     fn human_units() {
         assert_eq!(human(4096.0, Units::Bytes), "4 KiB");
         assert_eq!(human(64.0 * 1024.0 * 1024.0, Units::Bytes), "64 MiB");
-        assert_eq!(human(1787597.0, Units::DecimalBytes), "1.788 MB");
+        assert_eq!(human(1787597.0, Units::DecimalBytes), "1.79 MB");
         assert_eq!(human(67_900_000.0, Units::DecimalBytes), "67.9 MB");
         assert_eq!(human(1500.0, Units::Plain), "1.5k");
         assert_eq!(human(0.25, Units::Plain), "0.25");
+        assert_eq!(human(0.00012, Units::Plain), "0.00012");
+        assert_eq!(human(-0.0, Units::Plain), "0");
         assert_eq!(human(12.0, Units::Plain), "12");
     }
 
@@ -428,6 +439,17 @@ mod tests {
         assert!(!labels.iter().any(|l| l.parse::<f64>().is_ok_and(|v| v >= 1024.0)), "raw byte counts: {labels:?}");
         let (x, _) = t.iter().find(|x| x.1 == "ring").expect("legend entry");
         assert!(*x > (W - LEGEND_W) as f64, "legend at x={x}, inside the plot");
+    }
+
+    #[test]
+    fn narrow_and_odd_ranges_still_get_ticks() {
+        let l = LineChart::new("t", "x", "y").log_y().series("a", vec![(1.0, 15.0), (2.0, 60.0)]).svg();
+        let n = texts(&l).iter().filter(|t| t.1.parse::<f64>().is_ok()).count();
+        assert!(n >= 4, "x and y ticks on a log y within one decade: {:?}", texts(&l));
+        let neg = BarChart::new("n", "y", &["a", "b"]).series("s", vec![-3.0, -1.0]).svg();
+        assert!(texts(&neg).iter().any(|t| t.1 == "0"), "a negative bar chart includes 0");
+        let one = LineChart::new("t", "x", "y").series("a", vec![(1.0, f64::NAN), (2.0, 3.0)]).svg();
+        assert!(one.starts_with("<svg"));
     }
 
     #[test]

@@ -232,13 +232,20 @@ impl Trainer {
         // More compute threads than cores: every rank waits for the others' time slices, and a
         // collective runs at the pace of the slowest. Say so once (the driver only).
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        let threads = s.num_workers * s.threads_per_worker.unwrap_or(1).max(1) as usize;
+        // SHARDLAB_NUM_THREADS wins over threads_per_worker in the launcher; count what it will use.
+        let per = std::env::var("SHARDLAB_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<i32>().ok())
+            .or(s.threads_per_worker)
+            .unwrap_or(1)
+            .max(1) as usize;
+        let threads = s.num_workers * per;
         if threads > cores && !crate::launch::is_spawned_child() {
             eprintln!(
-                "warning: {} worker(s) × {} libtorch thread(s) = {threads} compute threads on {cores} core(s): \
-                 oversubscribed, steps will be slower and uneven (fewer workers or threads_per_worker fix it)",
-                s.num_workers,
-                s.threads_per_worker.unwrap_or(1)
+                "warning: {} worker(s) × {per} libtorch thread(s) = {threads} compute threads on {cores} core(s): \
+                 oversubscribed, steps will be slower and uneven (fewer workers, or fewer threads per worker: \
+                 train --threads, SHARDLAB_NUM_THREADS, ScalingConfig::threads_per_worker)",
+                s.num_workers
             );
         }
         Ok(())

@@ -240,3 +240,26 @@ fn a_bad_bucket_assignment_is_an_error_on_every_rank() {
         }
     }
 }
+
+#[test]
+fn ranks_with_different_bucket_assignments_all_fail() {
+    // Same sizes, parameters permuted within a bucket on one rank only: each bucket's all-reduce
+    // would average unrelated gradients. Refused on every rank before any gradient moves.
+    let out = spawn(3, Backend::Local, |pg| {
+        let model = Gpt::new(GptConfig::tiny(), 1)?;
+        let rank = pg.rank();
+        let assign = move |s: &[usize], _cap: usize| {
+            let mut all: Vec<usize> = (0..s.len()).rev().collect();
+            if rank == 2 {
+                all.swap(0, 1);
+            }
+            vec![all]
+        };
+        Ok(ddp::DdpBucketed::with_assignment(pg, Box::new(model), 1 << 30, assign).err().map(|e| e.to_string()))
+    })
+    .unwrap();
+    for (rank, err) in out.iter().enumerate() {
+        let err = err.as_deref().unwrap_or_else(|| panic!("rank {rank}: differing assignments were accepted"));
+        assert!(err.contains("different bucket assignments"), "rank {rank}: {err}");
+    }
+}

@@ -52,15 +52,18 @@ enum Strat {
     Zero3NoReshard,
     /// ZeRO-3 with both blocks of the tiny GPT in one unit.
     Zero3TwoBlockUnits,
+    /// ZeRO-2 with both blocks in one unit and gradient accumulation.
+    Zero2TwoBlockUnits,
 }
 
-const STRATS: [Strat; 6] = [
+const STRATS: [Strat; 7] = [
     Strat::Ddp,
     Strat::Zero(Stage::One),
     Strat::Zero(Stage::Two),
     Strat::Zero(Stage::Three),
     Strat::Zero3NoReshard,
     Strat::Zero3TwoBlockUnits,
+    Strat::Zero2TwoBlockUnits,
 ];
 
 /// Run every strategy on this rank (accumulation 2 for stage 1: the no_sync path).
@@ -80,6 +83,9 @@ fn run_all(pg: &ProcessGroup) -> anyhow::Result<Vec<Vec<f32>>> {
             }
             Strat::Zero3TwoBlockUnits => {
                 (Box::new(Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Three, opt_cfg(), 2)?), 1)
+            }
+            Strat::Zero2TwoBlockUnits => {
+                (Box::new(Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Two, opt_cfg(), 2)?), 2)
             }
         };
         let s = DistributedSampler::new(16, GLOBAL, pg.rank(), pg.world_size(), 2)?;
@@ -126,7 +132,7 @@ fn larger_units_make_fewer_collectives() {
     let cfg = GptConfig { n_layer: 4, ..GptConfig::tiny() };
     let out = spawn(2, Backend::Local, move |pg| {
         let mut v = Vec::new();
-        for k in [1, 2, 4] {
+        for k in [1, 2, 3, 4, 5] {
             let model = Gpt::new(cfg, 1)?;
             let mut opt = opt_cfg().build(&model)?;
             let mut z = Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Three, opt_cfg(), k)?;
@@ -142,7 +148,7 @@ fn larger_units_make_fewer_collectives() {
     })
     .unwrap();
     for (k, gathers, scatters, reduces) in &out[0] {
-        let units = 4 / k;
+        let units = 4_usize.div_ceil(*k); // 3 blocks per unit: [0 1 2] [3]; 5: one unit
         assert_eq!(*gathers, 1 + 2 * units as u64, "{k} blocks per unit: all-gathers per step");
         assert_eq!(*scatters, 1 + units as u64, "{k} blocks per unit: reduce-scatters per step");
         assert_eq!(*reduces, 0, "{k} blocks per unit: no all-reduce");

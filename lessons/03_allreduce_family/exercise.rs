@@ -30,8 +30,9 @@ pub fn ring_schedule(rank: usize, n: usize, step: usize, gather: bool) -> (usize
 /// send waits for its receiver: order them so that a ring of sends cannot deadlock.
 pub fn ring_all_reduce(pg: &ProcessGroup, t: &mut Tensor) -> CommResult<()> {
     // TODO: for each phase and each of the n−1 steps: send your `send` segment to rank+1 and
-    // receive the `recv` segment from rank−1 (even ranks send first, odd ranks receive first),
-    // then add it into (reduce-scatter) or copy it over (all-gather) your segment of t.
+    // receive the `recv` segment from rank−1, then add it into (reduce-scatter) or copy it over
+    // (all-gather) your segment of t. Blocking sends of large messages must not deadlock the
+    // ring: see the README's "Deadlock" concept.
     todo!()
 }
 

@@ -26,8 +26,7 @@ pub fn sync_initial_weights(pg: &ProcessGroup, params: &mut [Tensor], bucket_byt
 /// Exercise 3 — after backward, replace every parameter's gradient with the average of that
 /// gradient over all ranks (in place, so the optimizer sees it).
 pub fn average_gradients(pg: &ProcessGroup, params: &[Tensor]) -> CommResult<()> {
-    // TODO: for each parameter take p.grad(), sum it over all ranks with pg.all_reduce, then
-    // divide it by the world size — all in place.
+    // TODO: leave every parameter's gradient holding its average over all ranks, in place.
     todo!()
 }
 
@@ -35,7 +34,8 @@ pub fn average_gradients(pg: &ProcessGroup, params: &[Tensor]) -> CommResult<()>
 /// the `global` batch, average the gradients, `opt.step()`, `opt.zero_grad()`. Returns this
 /// rank's loss.
 pub fn ddp_step(pg: &ProcessGroup, model: &dyn Model, opt: &mut tch::nn::Optimizer, global: &Batch) -> CommResult<f64> {
-    // TODO: slice your rows with shard_rows and global.rows(lo, hi); loss = model.loss(&local);
-    // backward; average_gradients; opt.step(); opt.zero_grad(); return the loss value.
+    // TODO: train on this rank's rows of `global` only; the optimizer must see gradients averaged
+    // over all ranks and take exactly one step, leaving no gradient behind for the next call;
+    // return this rank's loss on its rows.
     todo!()
 }

@@ -28,8 +28,8 @@ pub fn adamw_shard_step(
     betas: (f64, f64),
     eps: f64,
 ) {
-    // TODO: decoupled weight decay p ← p·(1 − lr·wd); m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²;
-    // p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + eps). In place, inside tch::no_grad.
+    // TODO: one AdamW step on p, m and v in place, exactly libtorch's (decoupled weight decay,
+    // bias correction): README, "Why the sharded AdamW is libtorch's AdamW".
     todo!()
 }
 
@@ -37,7 +37,8 @@ pub fn adamw_shard_step(
 /// slice of the padded flat parameters); put everyone's updated shards into `flat` (the full
 /// flat parameters, same on every rank afterwards).
 pub fn all_gather_params(pg: &ProcessGroup, flat: &mut Tensor, shard: &Tensor) -> CommResult<()> {
-    // TODO: all-gather the shards into flat. The shard is a view into flat: gather from a copy.
+    // TODO: leave every rank's updated shard, in rank order, in flat on every rank. Note that
+    // `shard` is a view into `flat`.
     todo!()
 }
 

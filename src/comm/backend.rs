@@ -126,17 +126,17 @@ impl CommStats {
     pub fn since(&self, before: &CommStats) -> CommStats {
         let mut per_op = [0; 7];
         for (i, c) in per_op.iter_mut().enumerate() {
-            *c = self.per_op[i] - before.per_op[i];
+            *c = self.per_op[i].saturating_sub(before.per_op[i]);
         }
         CommStats {
-            bytes_sent: self.bytes_sent - before.bytes_sent,
-            bytes_received: self.bytes_received - before.bytes_received,
-            collectives: self.collectives - before.collectives,
-            p2p: self.p2p - before.p2p,
+            bytes_sent: self.bytes_sent.saturating_sub(before.bytes_sent),
+            bytes_received: self.bytes_received.saturating_sub(before.bytes_received),
+            collectives: self.collectives.saturating_sub(before.collectives),
+            p2p: self.p2p.saturating_sub(before.p2p),
             per_op,
         }
     }
-    /// The collectives that ran, e.g. `"2 all_reduce, 1 broadcast"` (for error messages).
+    /// The operations that ran, e.g. `"2 all_reduce, 1 broadcast, 4 send/recv"` (for error messages).
     pub fn describe_calls(&self) -> String {
         use super::OpKind::*;
         let v: Vec<String> = [Barrier, Broadcast, AllReduce, AllGather, ReduceScatter, P2p]

@@ -39,6 +39,28 @@ pub fn assign_buckets(sizes: &[usize], cap: usize) -> Vec<Vec<usize>> {
     buckets
 }
 
+/// Every parameter of `n` exactly once, no empty bucket.
+fn check_assignment(assignment: &[Vec<usize>], n: usize) -> Result<(), String> {
+    let mut seen = vec![0usize; n];
+    for b in assignment {
+        if b.is_empty() {
+            return Err(format!("the bucket assignment has an empty bucket: {assignment:?}"));
+        }
+        for &i in b {
+            if i >= n {
+                return Err(format!("the bucket assignment names parameter {i}; the model has {n}"));
+            }
+            seen[i] += 1;
+        }
+    }
+    match seen.iter().position(|&c| c != 1) {
+        Some(i) => {
+            Err(format!("the bucket assignment lists parameter {i} {} times (every parameter exactly once)", seen[i]))
+        }
+        None => Ok(()),
+    }
+}
+
 struct Bucket {
     params: Vec<usize>,
     /// Offsets of each parameter's gradient in `flat`.
@@ -80,30 +102,32 @@ impl<'a> DdpBucketed<'a> {
         let stages = model.param_stages();
         let sizes: Vec<usize> = params.iter().map(|p| p.numel() * 4).collect();
         let assignment = assign(&sizes, cap_bytes.max(1));
-        let mut seen = vec![0usize; params.len()];
-        for b in &assignment {
-            if b.is_empty() {
-                return Err(crate::comm::CommError::InvalidArgument(format!(
-                    "rank {}: the bucket assignment has an empty bucket: {assignment:?}",
-                    pg.rank()
-                )));
-            }
-            for &i in b {
-                if i >= params.len() {
-                    return Err(crate::comm::CommError::InvalidArgument(format!(
-                        "rank {}: the bucket assignment names parameter {i}; the model has {}",
-                        pg.rank(),
-                        params.len()
-                    )));
-                }
-                seen[i] += 1;
-            }
+        let invalid = check_assignment(&assignment, params.len()).err();
+        // Every rank must build the same buckets (a learner's assignment that iterates a HashMap
+        // would not): agree on validity and on a fingerprint of the assignment, in one all-reduce,
+        // so that a bad or differing assignment is an error on every rank, never a wrong average.
+        let print = (assignment
+            .iter()
+            .flatten()
+            .chain([&usize::MAX])
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, &i| (h ^ i as u64).wrapping_mul(0x100_0000_01b3))
+            >> 2) as i64;
+        let mut agree = Tensor::from_slice(&[i64::from(invalid.is_some()), print, -print]);
+        pg.all_reduce(&mut agree, ReduceOp::Max)?;
+        let v = Vec::<i64>::try_from(&agree).unwrap_or_default();
+        let rank = pg.rank();
+        if let Some(e) = invalid {
+            return Err(crate::comm::CommError::InvalidArgument(format!("rank {rank}: {e}")));
         }
-        if let Some(i) = seen.iter().position(|&c| c != 1) {
+        if v.first() != Some(&0) {
             return Err(crate::comm::CommError::InvalidArgument(format!(
-                "rank {}: the bucket assignment lists parameter {i} {} times (every parameter exactly once)",
-                pg.rank(),
-                seen[i]
+                "rank {rank}: another rank's bucket assignment is invalid (its error says why)"
+            )));
+        }
+        if v.get(1) != v.get(2).map(|m| -m).as_ref() {
+            return Err(crate::comm::CommError::InvalidArgument(format!(
+                "rank {rank}: the ranks computed different bucket assignments (every rank must pack the same \
+                 parameters into the same buckets, in the same order); this rank's: {assignment:?}"
             )));
         }
         tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
@@ -123,7 +147,8 @@ impl<'a> DdpBucketed<'a> {
         Ok(DdpBucketed { pg, model, params, buckets, require_sync: true, stats: DdpStats::default() })
     }
 
-    /// Parameter indices of each bucket (reverse registration order).
+    /// Parameter indices of each bucket, in the order they are reduced (for [`assign_buckets`]:
+    /// reverse registration order).
     pub fn bucket_params(&self) -> Vec<Vec<usize>> {
         self.buckets.iter().map(|b| b.params.clone()).collect()
     }

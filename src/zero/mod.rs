@@ -417,11 +417,15 @@ impl Zero<'_> {
             if let Some(u) = unit {
                 self.materialize(u)?;
             }
-            if let Some(next) = self.block_unit(s + 1, &stage_uses) {
-                self.gather_start(next)?; // prefetch: overlaps this stage's compute
+            // Prefetch the next *other* unit as soon as this one is here, so that its all-gather
+            // overlaps all of this unit's blocks, not only the last.
+            let next = (s + 1..n).filter_map(|t| self.block_unit(t, &stage_uses)).find(|&v| Some(v) != unit);
+            if let Some(next) = next {
+                self.gather_start(next)?;
             }
             let xin = if s == 0 { Tensor::new() } else { outputs[s - 1].detach().set_requires_grad(true) };
-            let recompute = unit.is_some() && self.reshard_after_forward;
+            // Only stage 3 frees parameters after forward; stages 1-2 keep them, and their graphs.
+            let recompute = unit.is_some() && self.stage == Stage::Three && self.reshard_after_forward;
             let y = if recompute {
                 // Resharding after forward: keep no graph (its saved views would pin the gathered
                 // buffer), only the stage's input; backward recomputes the stage.
@@ -448,14 +452,14 @@ impl Zero<'_> {
             if let Some(u) = unit {
                 self.materialize(u)?;
             }
-            if s > 0 {
-                if let Some(prev) = self.block_unit(s - 1, &stage_uses) {
-                    self.gather_start(prev)?;
-                }
+            // Prefetch the previous *other* unit (backward runs the units in reverse).
+            let prev = (0..s).rev().filter_map(|t| self.block_unit(t, &stage_uses)).find(|&v| Some(v) != unit);
+            if let Some(prev) = prev {
+                self.gather_start(prev)?;
             }
             let mut out = outputs.pop().expect("one output per stage");
             let input = inputs.pop().expect("one input per stage");
-            if unit.is_some() && self.reshard_after_forward {
+            if unit.is_some() && self.stage == Stage::Three && self.reshard_after_forward {
                 out = self.model.stage_forward(s, &input, batch); // recompute with the re-gathered unit
             }
             let obj = if s == n - 1 { out * scale } else { (out * &g_next).sum(Kind::Float) };
