@@ -182,10 +182,7 @@ static LAST_TODO: std::sync::Mutex<Option<(String, u32)>> = std::sync::Mutex::ne
 fn exercise_at_line(src: &str, line: u32) -> Option<usize> {
     let mut current = None;
     for (i, l) in src.lines().enumerate() {
-        if let Some(rest) = l.trim_start().strip_prefix("/// Exercise ") {
-            let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-            current = digits.parse().ok().or(current);
-        }
+        current = exercise_header(l).or(current);
         if i + 1 == line as usize {
             return current;
         }
@@ -267,16 +264,19 @@ fn fingerprint(code: &str) -> u64 {
         .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
+/// K if `line` opens exercise K's section (`/// Exercise K — …`).
+fn exercise_header(line: &str) -> Option<usize> {
+    let rest = line.trim_start().strip_prefix("/// Exercise ")?;
+    rest.chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse().ok()
+}
+
 /// The exercises of an exercise file, from its `/// Exercise K` sections.
 pub fn exercises(src: &str) -> Vec<Exercise> {
     let mut starts: Vec<(usize, usize)> = Vec::new(); // (byte offset, number)
     let mut offset = 0;
     for line in src.split_inclusive('\n') {
-        if let Some(rest) = line.trim_start().strip_prefix("/// Exercise ") {
-            let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-            if let Ok(k) = digits.parse() {
-                starts.push((offset, k));
-            }
+        if let Some(k) = exercise_header(line) {
+            starts.push((offset, k));
         }
         offset += line.len();
     }
@@ -620,31 +620,21 @@ pub fn progress_table(lessons: &[LessonProgress]) -> String {
 #[macro_export]
 macro_rules! graders {
     (lesson: $lesson:literal, exercise_file: $file:literal; $($items:tt)*) => {
-        /// The grader run against the reference answers in `solutions/`.
-        mod solution {
+        $crate::graders!(@module solution, Solution, solution_code, $lesson, $file,
+            "The grader run against the reference answers in `solutions/`."; $($items)*);
+        $crate::graders!(@module exercise, Exercise, exercise_code, $lesson, $file,
+            "The same grader run against your exercise file."; $($items)*);
+    };
+    (@module $module:ident, $who:ident, $code:ident, $lesson:literal, $file:literal, $doc:literal; $($items:tt)*) => {
+        #[doc = $doc]
+        mod $module {
             #[allow(unused_imports)]
             use super::*;
             #[allow(unused_imports)]
-            use super::solution_code::*;
+            use super::$code::*;
             #[allow(dead_code)]
             const GRADER: $crate::grading::Grader = $crate::grading::Grader {
-                who: $crate::grading::Who::Solution,
-                lesson: $lesson,
-                exercise_file: concat!(env!("CARGO_MANIFEST_DIR"), "/", $file),
-                tmp_dir: env!("CARGO_TARGET_TMPDIR"),
-                tests: TESTS,
-            };
-            $crate::graders!(@items [] [] $($items)*);
-        }
-        /// The same grader run against your exercise file.
-        mod exercise {
-            #[allow(unused_imports)]
-            use super::*;
-            #[allow(unused_imports)]
-            use super::exercise_code::*;
-            #[allow(dead_code)]
-            const GRADER: $crate::grading::Grader = $crate::grading::Grader {
-                who: $crate::grading::Who::Exercise,
+                who: $crate::grading::Who::$who,
                 lesson: $lesson,
                 exercise_file: concat!(env!("CARGO_MANIFEST_DIR"), "/", $file),
                 tmp_dir: env!("CARGO_TARGET_TMPDIR"),

@@ -106,15 +106,7 @@ impl LineChart {
 
     /// The chart as an SVG document.
     pub fn svg(&self) -> String {
-        let mut out = String::new();
-        {
-            let root = SVGBackend::with_string(&mut out, (W, H)).into_drawing_area();
-            if let Err(e) = self.draw(&root) {
-                return error_svg(&format!("{e}"));
-            }
-            let _ = root.present();
-        }
-        out
+        render(|root| self.draw(root))
     }
 
     fn draw(&self, root: &DrawingArea<SVGBackend, Shift>) -> Result<(), Box<dyn std::error::Error>> {
@@ -291,15 +283,7 @@ impl BarChart {
 
     /// The chart as an SVG document.
     pub fn svg(&self) -> String {
-        let mut out = String::new();
-        {
-            let root = SVGBackend::with_string(&mut out, (W, H)).into_drawing_area();
-            if let Err(e) = self.draw(&root) {
-                return error_svg(&format!("{e}"));
-            }
-            let _ = root.present();
-        }
-        out
+        render(|root| self.draw(root))
     }
 
     fn draw(&self, root: &DrawingArea<SVGBackend, Shift>) -> Result<(), Box<dyn std::error::Error>> {
@@ -373,6 +357,21 @@ fn draw_legend<'n>(
         area.draw(&Text::new(label, (28, y - 7), (FONT, 13).into_font().color(&BLACK)))?;
     }
     Ok(())
+}
+
+type DrawResult = Result<(), Box<dyn std::error::Error>>;
+
+/// Draws a chart on a fresh W×H SVG canvas; a drawing error becomes a one-line SVG saying so.
+fn render(draw: impl FnOnce(&DrawingArea<SVGBackend, Shift>) -> DrawResult) -> String {
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (W, H)).into_drawing_area();
+        if let Err(e) = draw(&root) {
+            return error_svg(&format!("{e}"));
+        }
+        let _ = root.present();
+    }
+    out
 }
 
 fn error_svg(msg: &str) -> String {
