@@ -20,13 +20,16 @@ fn main() -> anyhow::Result<()> {
     let fit = Trainer::new(scaling).progress(20).fit(|ctx| {
         let data = synthetic_corpus(1_000_000, 1);
         let model = Gpt::new(GptConfig::bench(), 0)?;
-        let mut opt = AdamWConfig::default().build(&model)?;
-        let mut dp = ctx.prepare_model(Box::new(model))?; // DDP: rank 0's weights broadcast
+        // DDP: rank 0's weights broadcast; the AdamW is ours, stepped by train_step.
+        let (mut dp, mut opt) = ctx.prepare(Box::new(model), &AdamWConfig::default())?;
         let n = ctx.world_size();
         let sampler = DistributedSampler::new(128, 8 * n, ctx.rank(), n, 0)?;
+        let schedule = LrSchedule { max_lr: 1e-3, min_lr: 1e-4, warmup_iters: 2, decay_iters: 20 };
         for step in 0..20u64 {
-            let loss = train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), 1)?;
-            ctx.report(json!({"step": step, "loss": loss}))?; // this rank's local loss
+            let cfg = StepConfig { lr: schedule.lr(step), grad_clip: Some(1.0) };
+            let out = train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), 1, cfg)?;
+            // This rank's local loss; the gradient norm is global (the same on every rank).
+            ctx.report(json!({"step": step, "loss": out.loss, "grad_norm": out.grad_norm}))?;
         }
         Ok(dp.stats().hidden_fraction())
     })?;

@@ -9,7 +9,7 @@ use crate::comm::{Backend, ReduceOp};
 use crate::data::{synthetic_corpus, DistributedSampler, Tokens};
 use crate::ddp::{self, DdpStats, Variant};
 use crate::model::{Gpt, GptConfig, Model};
-use crate::optim::AdamWConfig;
+use crate::optim::{AdamWConfig, LrSchedule, StepConfig};
 use crate::trainer::{ScalingConfig, Strategy, TrainContext, Trainer};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -48,6 +48,10 @@ pub struct GptJob {
     /// last step, and says so in [`RunSummary::measured_steps`]).
     pub warmup: u64,
     pub optim: AdamWConfig,
+    /// Learning rate per step (nanoGPT's warm-up + cosine); `None`: `optim.lr` at every step.
+    pub lr_schedule: Option<LrSchedule>,
+    /// Clip the global gradient norm to this (nanoGPT's `grad_clip`); `None`: no clipping.
+    pub grad_clip: Option<f64>,
     pub data: DataSource,
     /// Model init and batch sampling seed.
     pub seed: u64,
@@ -107,8 +111,17 @@ impl GptJob {
             "accumulation steps must be in 1..={} (the per-rank batch)",
             self.batch_size
         );
+        self.schedule().validate().map_err(anyhow::Error::msg)?;
+        if let Some(c) = self.grad_clip {
+            anyhow::ensure!(c.is_finite() && c > 0.0, "the gradient clip must be a positive norm, got {c}");
+        }
         DistributedSampler::new(self.model.block_size as usize, self.batch_size * world_size, 0, world_size, 0)?;
         self.data.load()?.check(self.model.vocab_size, self.model.block_size)
+    }
+
+    /// The learning-rate schedule in force (constant `optim.lr` unless one is set).
+    pub fn schedule(&self) -> LrSchedule {
+        self.lr_schedule.unwrap_or(LrSchedule::constant(self.optim.lr))
     }
 
     /// The per-worker loop (call inside [`Trainer::fit`]). Returns this rank's summary.
@@ -130,7 +143,9 @@ impl GptJob {
             let batch = sampler.batch(&data, step);
             ctx.group().barrier()?;
             let t0 = Instant::now();
-            let local = ddp::train_step(&mut *dp, &mut opt, &batch, self.accum)?;
+            let cfg = StepConfig { lr: self.schedule().lr(step), grad_clip: self.grad_clip };
+            let out = ddp::train_step(&mut *dp, &mut opt, &batch, self.accum, cfg)?;
+            let local = out.loss;
             let dt = t0.elapsed().as_secs_f64();
             let mut l = Tensor::from_slice(&[local]);
             ctx.group().all_reduce(&mut l, ReduceOp::Avg)?;
@@ -140,14 +155,15 @@ impl GptJob {
                 loss.is_finite(),
                 "step {step}: the loss is {loss} — training diverged (learning rate {} too high?); the last \
                  losses: {:.4?}. The step's update already reached the weights: nothing was saved",
-                self.optim.lr,
+                cfg.lr,
                 &losses[losses.len().saturating_sub(4)..]
             );
             losses.push(loss);
             if step >= warmup {
                 step_s.push(dt);
             }
-            ctx.report(json!({"step": step, "loss": loss, "step_s": dt, "tokens_per_s": tokens_per_step / dt}))?;
+            ctx.report(json!({"step": step, "loss": loss, "lr": cfg.lr, "grad_norm": out.grad_norm, "step_s": dt,
+                              "tokens_per_s": tokens_per_step / dt}))?;
         }
         if let Some(p) = &self.save {
             // Sharded strategies hold pieces: every rank takes part in gathering the full weights.
@@ -163,7 +179,7 @@ impl GptJob {
         Ok(RunSummary {
             strategy: format!("{strategy:?}").to_lowercase(),
             variant: (strategy == Strategy::Ddp).then(|| format!("{:?}", ctx.scaling().variant).to_lowercase()),
-            memory: dp.memory(),
+            memory: dp.memory(&opt),
             world_size: n,
             params,
             tokens_per_step,
@@ -307,6 +323,8 @@ impl GptJob {
             steps,
             warmup,
             optim: AdamWConfig::default(),
+            lr_schedule: None,
+            grad_clip: None,
             data: DataSource::File(data),
             seed: 1,
             init: None,

@@ -33,10 +33,10 @@ pub mod prelude {
         TcpInit, Work, WorkTiming,
     };
     pub use crate::data::{synthetic_corpus, DistributedSampler, Tokens};
-    pub use crate::ddp::{DataParallel, DdpBucketed, DdpNaive, DdpStats, Variant};
+    pub use crate::ddp::{DataParallel, DdpBucketed, DdpNaive, DdpStats, StepOutput, Variant};
     pub use crate::launch::{is_spawned_child, spawn, spawn_with, Launch, LaunchError, SpawnOptions};
     pub use crate::model::{staged_backward, zero_grads, Batch, Gpt, GptConfig, Mlp, MlpConfig, Model};
-    pub use crate::optim::AdamWConfig;
+    pub use crate::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer, Sgd, StepConfig};
     pub use crate::plot::{BarChart, LineChart, Units};
     pub use crate::trainer::{ScalingConfig, Strategy, TrainContext, Trainer};
     pub use serde_json::json;

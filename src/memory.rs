@@ -137,3 +137,57 @@ mod tests {
         assert_eq!(n[1], Some(45), "ZeRO-1: 30 + 90/N ≤ 32 needs N ≥ 45");
     }
 }
+
+/// Bytes a rank holds, measured from the tensors it keeps ([`held_bytes`]), as every training
+/// strategy reports them ([`DataParallel::memory`](crate::ddp::DataParallel::memory)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryStats {
+    /// Parameters kept between steps (full for DDP and stages 1–2, the shard for stage 3).
+    pub params: u64,
+    /// Gradients kept for the optimizer step (full for DDP and stage 1, the shard for 2–3).
+    pub grads: u64,
+    /// Optimizer state (AdamW m and v, for this rank's slots).
+    pub optim: u64,
+    /// Largest amount of transient buffers alive at once (gathered units, flat gradients).
+    pub peak_transient: u64,
+}
+
+impl MemoryStats {
+    /// Model states: params + grads + optimizer.
+    pub fn model_states(&self) -> u64 {
+        self.params + self.grads + self.optim
+    }
+}
+
+/// Bytes of memory behind `tensors`, each byte counted once however many of the tensors view it:
+/// the union of the address ranges they cover (from the first to one past the furthest element).
+/// Undefined and empty tensors hold nothing. This measures what is really held (parameters that
+/// are views into one flat buffer count once; a freed unit whose parameters were swapped for empty
+/// tensors counts zero), not what a layout says should be. Pass the flat buffers themselves to
+/// count padding no parameter views.
+pub fn held_bytes<'t>(tensors: impl IntoIterator<Item = &'t tch::Tensor>) -> u64 {
+    let mut ranges: Vec<(usize, usize)> = Vec::new();
+    for t in tensors {
+        if !t.defined() || t.numel() == 0 {
+            continue;
+        }
+        let elem = t.kind().elt_size_in_bytes();
+        let start = t.data_ptr() as usize;
+        // The furthest element: Σ (size−1)·stride, + 1 (negative strides do not occur here).
+        let last: i64 = t.size().iter().zip(t.stride()).map(|(&s, st)| (s - 1) * st).sum();
+        ranges.push((start, start + (last as usize + 1) * elem));
+    }
+    ranges.sort_unstable();
+    let (mut total, mut cur): (u64, Option<(usize, usize)>) = (0, None);
+    for (a, b) in ranges {
+        cur = match cur {
+            Some((ca, cb)) if a <= cb => Some((ca, cb.max(b))),
+            Some((ca, cb)) => {
+                total += (cb - ca) as u64;
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    total + cur.map_or(0, |(a, b)| (b - a) as u64)
+}

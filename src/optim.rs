@@ -1,12 +1,25 @@
-//! The optimizer: AdamW with nanoGPT's parameter groups (matrices and embeddings decayed, biases
-//! and LayerNorm gains not), run by libtorch's own `torch::optim::AdamW` through tch — so every
-//! strategy here is held to PyTorch's AdamW semantics.
+//! The optimizer every strategy steps: one in-repo AdamW (and plain SGD) over *slots* — a slot is
+//! a tensor updated in place with its gradient: a whole parameter for single-process and DDP
+//! training (N = 1), a rank's flat shard of a unit for ZeRO/FSDP. The caller owns it and passes
+//! it to [`DataParallel::step`](crate::ddp::DataParallel::step) with the step's learning rate, so
+//! an LR schedule reaches every strategy and the state can be read and restored (checkpoints).
+//!
+//! Also here: nanoGPT's learning-rate schedule ([`LrSchedule`]) and the clipping coefficient of
+//! global-norm gradient clipping ([`clip_coef`], PyTorch's `clip_grad_norm_`).
+//!
+//! AdamW's arithmetic is libtorch's `torch::optim::AdamW` (the reference, [`AdamWConfig::build`]),
+//! element for element: decoupled weight decay `p ← p·(1 − lr·wd)`, `m ← β₁m + (1−β₁)g`,
+//! `v ← β₂v + (1−β₂)g²`, `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`. Weight decay follows
+//! nanoGPT's groups: tensors of two or more dimensions (matrices, embeddings) decay, biases and
+//! LayerNorm gains do not; a flat shard carries that choice per element ([`Decay::Mask`]).
 
 use crate::model::Model;
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, OptimizerConfig};
+use tch::{Kind, Tensor};
 
-/// AdamW hyper-parameters (nanoGPT's defaults except the learning rate).
+/// AdamW hyper-parameters (nanoGPT's defaults except the learning rate). `lr` is the peak rate:
+/// each step's rate comes from an [`LrSchedule`] (constant unless one is set).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AdamWConfig {
     pub lr: f64,
@@ -23,7 +36,8 @@ impl Default for AdamWConfig {
 }
 
 impl AdamWConfig {
-    /// libtorch's AdamW over `model`'s parameters: group 0 decayed, group 1 not.
+    /// libtorch's own AdamW over `model`'s parameters, group 0 decayed, group 1 not: the reference
+    /// [`AdamW`] is tested against, and the optimizer of lesson 04's toy DDP.
     pub fn build(&self, model: &dyn Model) -> anyhow::Result<nn::Optimizer> {
         let mut opt =
             nn::AdamW { beta1: self.beta1, beta2: self.beta2, wd: self.weight_decay, eps: self.eps, amsgrad: false }
@@ -32,4 +46,245 @@ impl AdamWConfig {
         opt.set_weight_decay_group(1, 0.0);
         Ok(opt)
     }
+}
+
+/// Whether a slot's elements are weight-decayed.
+pub enum Decay {
+    /// Every element (a matrix or an embedding).
+    All,
+    /// No element (a bias, a LayerNorm gain).
+    Nothing,
+    /// Per element: a (numel,) f32 tensor, 1 where decayed, 0 elsewhere (a ZeRO shard, which may
+    /// end inside a matrix and go on into a bias; padding is 0).
+    Mask(Tensor),
+}
+
+impl Decay {
+    /// nanoGPT's rule for a whole parameter of this shape.
+    pub fn for_shape(shape: &[i64]) -> Decay {
+        if shape.len() >= 2 {
+            Decay::All
+        } else {
+            Decay::Nothing
+        }
+    }
+}
+
+/// An optimizer over slots (see the module docs). `step` updates `params[i]` in place from
+/// `grads[i]` at learning rate `lr`; a slot whose gradient is undefined is skipped, as PyTorch
+/// skips a parameter whose `.grad` is None. The slot list must be the same at every step.
+pub trait Optimizer {
+    fn step(&mut self, lr: f64, params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(), String>;
+    /// Bytes of optimizer state held.
+    fn state_bytes(&self) -> u64;
+}
+
+/// AdamW's state: per slot its step count and moments.
+#[derive(Debug)]
+pub struct AdamWState {
+    pub steps: Vec<u64>,
+    /// (numel,) f32 each, one per slot.
+    pub m: Vec<Tensor>,
+    pub v: Vec<Tensor>,
+}
+
+/// AdamW over slots (libtorch's arithmetic; see the module docs). State is allocated at the first
+/// step, like PyTorch's.
+pub struct AdamW {
+    pub cfg: AdamWConfig,
+    steps: Vec<u64>,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+impl AdamW {
+    pub fn new(cfg: AdamWConfig) -> Self {
+        AdamW { cfg, steps: Vec::new(), m: Vec::new(), v: Vec::new() }
+    }
+    /// A copy of the state.
+    pub fn state(&self) -> AdamWState {
+        AdamWState {
+            steps: self.steps.clone(),
+            m: self.m.iter().map(|t| t.copy()).collect(),
+            v: self.v.iter().map(|t| t.copy()).collect(),
+        }
+    }
+    /// Replace the state (it must come from an optimizer over the same slots; checked at the next step).
+    pub fn load_state(&mut self, s: AdamWState) -> Result<(), String> {
+        if s.m.len() != s.steps.len() || s.v.len() != s.steps.len() {
+            return Err(format!(
+                "AdamW state: {} step counts, {} first and {} second moments",
+                s.steps.len(),
+                s.m.len(),
+                s.v.len()
+            ));
+        }
+        for (i, (m, v)) in s.m.iter().zip(&s.v).enumerate() {
+            if m.size() != v.size() || m.kind() != Kind::Float || v.kind() != Kind::Float {
+                return Err(format!("AdamW state: slot {i}'s moments differ in shape or are not f32"));
+            }
+        }
+        self.steps = s.steps;
+        self.m = s.m;
+        self.v = s.v;
+        Ok(())
+    }
+}
+
+fn check_slots(params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(), String> {
+    if params.len() != grads.len() || params.len() != decay.len() {
+        return Err(format!("{} parameters, {} gradients and {} decay rules", params.len(), grads.len(), decay.len()));
+    }
+    for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+        if g.defined() && p.size() != g.size() {
+            return Err(format!("slot {i}: parameter {:?} but gradient {:?}", p.size(), g.size()));
+        }
+    }
+    Ok(())
+}
+
+/// `p ← p·(1 − lr·wd)` where decayed.
+fn decay_(p: &Tensor, decay: &Decay, lr: f64, wd: f64) {
+    if wd == 0.0 {
+        return;
+    }
+    let _ = match decay {
+        Decay::All => p.shallow_clone().g_mul_scalar_(1.0 - lr * wd),
+        Decay::Nothing => return,
+        Decay::Mask(mask) => p.shallow_clone().g_mul_(&(mask * (-lr * wd) + 1.0)),
+    };
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self, lr: f64, params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(), String> {
+        check_slots(params, grads, decay)?;
+        if self.m.is_empty() {
+            self.m = params.iter().map(|p| p.zeros_like()).collect();
+            self.v = params.iter().map(|p| p.zeros_like()).collect();
+            self.steps = vec![0; params.len()];
+        } else if self.m.len() != params.len() || self.m.iter().zip(params).any(|(m, p)| m.size() != p.size()) {
+            return Err(format!("AdamW was built over {} other slots than these {}", self.m.len(), params.len()));
+        }
+        let c = self.cfg;
+        tch::no_grad(|| {
+            for (i, p) in params.iter().enumerate() {
+                let g = &grads[i];
+                if !g.defined() {
+                    continue;
+                }
+                self.steps[i] += 1;
+                let t = self.steps[i] as i32;
+                let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+                decay_(p, &decay[i], lr, c.weight_decay);
+                let _ = self.m[i].g_mul_scalar_(c.beta1).g_add_(&(g * (1.0 - c.beta1)));
+                let _ = self.v[i].g_mul_scalar_(c.beta2).g_add_(&(g * g * (1.0 - c.beta2)));
+                let denom = (self.v[i].sqrt() / bc2.sqrt()) + c.eps;
+                let _ = p.shallow_clone().g_sub_(&(&self.m[i] / denom * (lr / bc1)));
+            }
+        });
+        Ok(())
+    }
+    fn state_bytes(&self) -> u64 {
+        self.m.iter().chain(&self.v).map(|t| t.numel() as u64 * 4).sum()
+    }
+}
+
+/// Plain SGD, `p ← p − lr·g` (weight decay ignored): the optimizer gradient tests use, since
+/// Adam's update hides a constant factor in the gradient (a sum instead of a mean).
+#[derive(Default)]
+pub struct Sgd;
+
+impl Optimizer for Sgd {
+    fn step(&mut self, lr: f64, params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(), String> {
+        check_slots(params, grads, decay)?;
+        tch::no_grad(|| {
+            for (p, g) in params.iter().zip(grads).filter(|(_, g)| g.defined()) {
+                let _ = p.shallow_clone().g_sub_(&(g * lr));
+            }
+        });
+        Ok(())
+    }
+    fn state_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// nanoGPT's learning-rate schedule: linear warm-up over `warmup_iters` steps to `max_lr`, cosine
+/// decay to `min_lr` at `decay_iters`, `min_lr` after. `step` counts from 0.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LrSchedule {
+    pub max_lr: f64,
+    pub min_lr: f64,
+    pub warmup_iters: u64,
+    pub decay_iters: u64,
+}
+
+impl LrSchedule {
+    /// The same rate at every step.
+    pub fn constant(lr: f64) -> Self {
+        LrSchedule { max_lr: lr, min_lr: lr, warmup_iters: 0, decay_iters: 0 }
+    }
+    /// The rate of step `step`.
+    pub fn lr(&self, step: u64) -> f64 {
+        if step < self.warmup_iters {
+            return self.max_lr * (step + 1) as f64 / (self.warmup_iters + 1) as f64;
+        }
+        if step >= self.decay_iters {
+            return self.min_lr;
+        }
+        let ratio = (step - self.warmup_iters) as f64 / (self.decay_iters - self.warmup_iters) as f64;
+        let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
+        self.min_lr + coeff * (self.max_lr - self.min_lr)
+    }
+    /// Refuse schedules that cannot be meant.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.max_lr.is_finite() && self.max_lr > 0.0) {
+            return Err(format!("the learning rate must be positive and finite, got {}", self.max_lr));
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.max_lr) {
+            return Err(format!("min_lr must be in 0..={} (the peak rate), got {}", self.max_lr, self.min_lr));
+        }
+        if self.decay_iters != 0 && self.decay_iters < self.warmup_iters {
+            return Err(format!(
+                "the decay ends at step {} before the warm-up ({} steps) does",
+                self.decay_iters, self.warmup_iters
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What one optimizer step does besides the update: its learning rate and, if set, the maximum
+/// global gradient norm (nanoGPT's `grad_clip`, 1.0 by default there).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepConfig {
+    pub lr: f64,
+    pub grad_clip: Option<f64>,
+}
+
+impl StepConfig {
+    /// Learning rate `lr`, no clipping.
+    pub fn lr(lr: f64) -> Self {
+        StepConfig { lr, grad_clip: None }
+    }
+}
+
+/// PyTorch's `clip_grad_norm_` factor: gradients are multiplied by `max_norm / (norm + 1e-6)`
+/// when that is below 1, and left alone otherwise.
+pub fn clip_coef(norm: f64, max_norm: f64) -> f64 {
+    (max_norm / (norm + 1e-6)).min(1.0)
+}
+
+/// The L2 norm over all `grads` (undefined ones skipped), in f64.
+pub fn global_norm(grads: &[Tensor]) -> f64 {
+    sum_of_squares(grads).sqrt()
+}
+
+/// Σ g² over all `grads`, in f64 (a sharded strategy all-reduces this before the square root).
+pub fn sum_of_squares(grads: &[Tensor]) -> f64 {
+    grads
+        .iter()
+        .filter(|g| g.defined())
+        .map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]))
+        .sum()
 }

@@ -17,13 +17,16 @@
 //! let fit = Trainer::new(scaling).progress(20).fit(|ctx| {
 //!     let data = synthetic_corpus(1_000_000, 1);
 //!     let model = Gpt::new(GptConfig::bench(), 0)?;
-//!     let mut opt = AdamWConfig::default().build(&model)?;
-//!     let mut dp = ctx.prepare_model(Box::new(model))?; // DDP: rank 0's weights broadcast
+//!     // DDP: rank 0's weights broadcast; the AdamW is ours, stepped by train_step.
+//!     let (mut dp, mut opt) = ctx.prepare(Box::new(model), &AdamWConfig::default())?;
 //!     let n = ctx.world_size();
 //!     let sampler = DistributedSampler::new(128, 8 * n, ctx.rank(), n, 0)?;
+//!     let schedule = LrSchedule { max_lr: 1e-3, min_lr: 1e-4, warmup_iters: 2, decay_iters: 20 };
 //!     for step in 0..20u64 {
-//!         let loss = train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), 1)?;
-//!         ctx.report(json!({"step": step, "loss": loss}))?; // this rank's local loss
+//!         let cfg = StepConfig { lr: schedule.lr(step), grad_clip: Some(1.0) };
+//!         let out = train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), 1, cfg)?;
+//!         // This rank's local loss; the gradient norm is global (the same on every rank).
+//!         ctx.report(json!({"step": step, "loss": out.loss, "grad_norm": out.grad_norm}))?;
 //!     }
 //!     Ok(dp.stats().hidden_fraction())
 //! })?;
@@ -33,7 +36,8 @@
 //! * [`ScalingConfig`] — how many workers, which backend and strategy (Ray's `ScalingConfig`).
 //! * [`Trainer::fit`] — starts the workers (threads or processes, see [`crate::launch`]), runs the
 //!   loop on each, returns every worker's result and the metrics rank 0 reported.
-//! * [`TrainContext::prepare_model`] — wraps the model for the strategy (Ray's `prepare_model`).
+//! * [`TrainContext::prepare`] — wraps the model for the strategy (Ray's `prepare_model`) and
+//!   builds its AdamW.
 //! * [`TrainContext::report`] — streams a metrics object to the driver (Ray's `train.report`):
 //!   each rank appends JSON lines to its own file in a job folder; the driver follows rank 0's,
 //!   drives an indicatif progress bar and, on request, echoes the lines to stdout.
@@ -42,7 +46,7 @@ use crate::comm::{Backend, CommConfig, ProcessGroup};
 use crate::ddp::{self, DataParallel, Variant};
 use crate::launch::{is_spawned_child, spawn_with, Launch, SpawnOptions};
 use crate::model::Model;
-use crate::optim::AdamWConfig;
+use crate::optim::{AdamW, AdamWConfig};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -146,32 +150,29 @@ impl<'a> TrainContext<'a> {
     pub fn scaling(&self) -> &ScalingConfig {
         self.scaling
     }
-    /// Wrap `model` for the configured strategy (DDP: rank 0's weights are broadcast to all).
-    /// ZeRO and FSDP shard the optimizer too: use [`prepare`](Self::prepare) for them.
+    /// Wrap `model` for the configured strategy (every strategy broadcasts rank 0's weights to
+    /// all ranks first; ZeRO/FSDP then shard them).
     pub fn prepare_model(&self, model: Box<dyn Model + 'a>) -> anyhow::Result<Box<dyn DataParallel + 'a>> {
-        Ok(match self.scaling.strategy {
-            Strategy::Single => Box::new(ddp::Single::new(self.pg, model)?),
-            Strategy::Ddp => ddp::wrap(self.pg, model, self.scaling.variant, self.scaling.bucket_cap_bytes)?,
-            s => anyhow::bail!("{s:?} shards the optimizer: use ctx.prepare(model, &adamw) instead of prepare_model"),
+        Ok(match (self.scaling.strategy, self.scaling.strategy.zero_stage()) {
+            (Strategy::Single, _) => Box::new(ddp::Single::new(self.pg, model)?),
+            (Strategy::Ddp, _) => ddp::wrap(self.pg, model, self.scaling.variant, self.scaling.bucket_cap_bytes)?,
+            (_, Some(stage)) => Box::new(
+                crate::zero::Zero::with_blocks_per_unit(self.pg, model, stage, self.scaling.blocks_per_unit)?
+                    .reshard_after_forward(self.scaling.reshard_after_forward),
+            ),
+            (s, None) => anyhow::bail!("strategy {s:?} has no wrapper"),
         })
     }
-    /// Wrap `model` and build its AdamW for the configured strategy (like `deepspeed.initialize`):
-    /// replicated strategies get libtorch's AdamW; ZeRO/FSDP keep a sharded AdamW inside the
-    /// wrapper, which [`DataParallel::step`] runs (the returned optimizer is then not stepped).
+    /// Wrap `model` for the configured strategy and build its AdamW (like `deepspeed.initialize`).
+    /// The optimizer is the caller's: pass it to [`train_step`](crate::ddp::train_step) or
+    /// [`DataParallel::step`]; it sees whole parameters (replicated strategies) or this rank's
+    /// shards (ZeRO/FSDP).
     pub fn prepare(
         &self,
         model: Box<dyn Model + 'a>,
         optim: &AdamWConfig,
-    ) -> anyhow::Result<(Box<dyn DataParallel + 'a>, tch::nn::Optimizer)> {
-        let opt = optim.build(&*model)?;
-        let dp: Box<dyn DataParallel + 'a> = match self.scaling.strategy.zero_stage() {
-            Some(stage) => Box::new(
-                crate::zero::Zero::with_blocks_per_unit(self.pg, model, stage, *optim, self.scaling.blocks_per_unit)?
-                    .reshard_after_forward(self.scaling.reshard_after_forward),
-            ),
-            None => self.prepare_model(model)?,
-        };
-        Ok((dp, opt))
+    ) -> anyhow::Result<(Box<dyn DataParallel + 'a>, AdamW)> {
+        Ok((self.prepare_model(model)?, AdamW::new(*optim)))
     }
     /// Send a metrics object (anything serialisable to a JSON object) to the driver.
     pub fn report(&mut self, metrics: impl Serialize) -> anyhow::Result<()> {

@@ -51,11 +51,12 @@ fn ddp_rank(pg: &ProcessGroup, variant: Variant, cap: usize, accum: i64) -> anyh
     let cfg = GptConfig::tiny();
     // Each rank starts from different weights: DDP's broadcast must make them rank 0's.
     let model = Gpt::new(cfg, SEED + pg.rank() as u64)?;
-    let mut opt = opt_cfg().build(&model)?;
+    // shardlab's AdamW against libtorch's in single_process().
+    let mut opt = AdamW::new(opt_cfg());
     let mut dp = ddp::wrap(pg, Box::new(model), variant, cap)?;
     let sampler = DistributedSampler::new(cfg.block_size as usize, GLOBAL_BATCH, pg.rank(), pg.world_size(), 1)?;
     for step in 0..STEPS {
-        ddp::train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), accum)?;
+        ddp::train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), accum, StepConfig::lr(opt_cfg().lr))?;
     }
     Ok(flat(dp.model()))
 }
@@ -201,11 +202,10 @@ fn sgd_steps_match_one_process_for_both_variants_and_uneven_accumulation() {
         let out = spawn(2, Backend::Local, move |pg| {
             let data = corpus();
             let m = Gpt::new(GptConfig::tiny(), SEED + pg.rank() as u64)?;
-            let mut opt = tch::nn::Sgd::default().build(m.var_store(), 0.5)?;
             let mut dp = ddp::wrap(pg, Box::new(m), variant, 16 * 1024)?;
             let s = DistributedSampler::new(16, global, pg.rank(), 2, 1)?;
             for step in 0..STEPS {
-                ddp::train_step(&mut *dp, &mut opt, &s.batch(&data, step), accum)?;
+                ddp::train_step(&mut *dp, &mut Sgd, &s.batch(&data, step), accum, StepConfig::lr(0.5))?;
             }
             Ok(flat(dp.model()))
         })

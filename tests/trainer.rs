@@ -14,7 +14,7 @@ fn fit(scaling: ScalingConfig) -> anyhow::Result<shardlab::trainer::FitResult<Ve
         let sampler = DistributedSampler::new(16, 4 * n, ctx.rank(), n, 0)?;
         let mut losses = Vec::new();
         for step in 0..4u64 {
-            let local = ddp::train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), 1)?;
+            let local = ddp::train_step(&mut *dp, &mut opt, &sampler.batch(&data, step), 1, StepConfig::lr(1e-3))?.loss;
             let mut l = Tensor::from_slice(&[local]);
             ctx.group().all_reduce(&mut l, ReduceOp::Avg)?;
             losses.push(l.double_value(&[0]));
@@ -70,13 +70,19 @@ fn bad_configurations_are_refused() {
     assert!(fit(none).unwrap_err().to_string().contains("at least 1"));
     let single = ScalingConfig { num_workers: 2, strategy: Strategy::Single, ..ScalingConfig::default() };
     assert!(fit(single).unwrap_err().to_string().contains("one worker"));
-    // prepare_model cannot build a sharded optimizer: a clear error on every rank.
+    // An optimizer stepped over one model's slots, then handed another's: a clear error on every
+    // rank, not a silent update of the wrong tensors.
     let e = Trainer::new(ScalingConfig { num_workers: 2, strategy: Strategy::Zero3, ..ScalingConfig::default() })
         .fit(|ctx| {
-            ctx.prepare_model(Box::new(Gpt::new(GptConfig::tiny(), 0)?))?;
+            let data = synthetic_corpus(4000, 7);
+            let (mut a, mut opt) = ctx.prepare(Box::new(Gpt::new(GptConfig::tiny(), 0)?), &AdamWConfig::default())?;
+            let mut b = ctx.prepare_model(Box::new(Gpt::new(GptConfig { n_layer: 1, ..GptConfig::tiny() }, 0)?))?;
+            let batch = DistributedSampler::new(16, 4, ctx.rank(), 2, 0)?.batch(&data, 0);
+            ddp::train_step(&mut *a, &mut opt, &batch, 1, StepConfig::lr(1e-3))?;
+            ddp::train_step(&mut *b, &mut opt, &batch, 1, StepConfig::lr(1e-3))?;
             Ok(())
         })
         .unwrap_err()
         .to_string();
-    assert!(e.contains("rank 0") && e.contains("rank 1") && e.contains("ctx.prepare"), "{e}");
+    assert!(e.contains("rank 0") && e.contains("rank 1") && e.contains("other slots"), "{e}");
 }

@@ -72,25 +72,21 @@ fn run_all(pg: &ProcessGroup) -> anyhow::Result<Vec<Vec<f32>>> {
     let mut out = Vec::new();
     for strat in STRATS {
         let model = Gpt::new(GptConfig::tiny(), 5 + pg.rank() as u64)?; // broadcast must fix the init
-        let mut opt = opt_cfg().build(&model)?;
+        let mut opt = AdamW::new(opt_cfg()); // shardlab's, over shards; the reference is libtorch's
         let (mut dp, accum): (Box<dyn DataParallel>, i64) = match strat {
             Strat::Ddp => (ddp::wrap(pg, Box::new(model), Variant::Bucketed, 16 * 1024)?, 1),
-            Strat::Zero(st) => {
-                (Box::new(Zero::new(pg, Box::new(model), st, opt_cfg())?), if st == Stage::One { 2 } else { 1 })
-            }
+            Strat::Zero(st) => (Box::new(Zero::new(pg, Box::new(model), st)?), if st == Stage::One { 2 } else { 1 }),
             Strat::Zero3NoReshard => {
-                (Box::new(Zero::new(pg, Box::new(model), Stage::Three, opt_cfg())?.reshard_after_forward(false)), 2)
+                (Box::new(Zero::new(pg, Box::new(model), Stage::Three)?.reshard_after_forward(false)), 2)
             }
             Strat::Zero3TwoBlockUnits => {
-                (Box::new(Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Three, opt_cfg(), 2)?), 1)
+                (Box::new(Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Three, 2)?), 1)
             }
-            Strat::Zero2TwoBlockUnits => {
-                (Box::new(Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Two, opt_cfg(), 2)?), 2)
-            }
+            Strat::Zero2TwoBlockUnits => (Box::new(Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Two, 2)?), 2),
         };
         let s = DistributedSampler::new(16, GLOBAL, pg.rank(), pg.world_size(), 2)?;
         for step in 0..STEPS {
-            ddp::train_step(&mut *dp, &mut opt, &s.batch(&data, step), accum)?;
+            ddp::train_step(&mut *dp, &mut opt, &s.batch(&data, step), accum, StepConfig::lr(opt_cfg().lr))?;
         }
         // ZeRO-3 keeps only shards: full_parameters all-gathers them unit by unit.
         out.push(flat(&dp.full_parameters()?));
@@ -134,15 +130,15 @@ fn larger_units_make_fewer_collectives() {
         let mut v = Vec::new();
         for k in [1, 2, 3, 4, 5] {
             let model = Gpt::new(cfg, 1)?;
-            let mut opt = opt_cfg().build(&model)?;
-            let mut z = Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Three, opt_cfg(), k)?;
+            let mut opt = AdamW::new(opt_cfg());
+            let mut z = Zero::with_blocks_per_unit(pg, Box::new(model), Stage::Three, k)?;
             let b = DistributedSampler::new(16, 8, pg.rank(), 2, 0)?.batch(&corpus(), 0);
             let before = pg.stats();
-            ddp::train_step(&mut z, &mut opt, &b, 1)?;
+            ddp::train_step(&mut z, &mut opt, &b, 1, StepConfig::lr(1e-3))?;
             let ran = pg.stats().since(&before);
             v.push((k, ran.calls(OpKind::AllGather), ran.calls(OpKind::ReduceScatter), ran.calls(OpKind::AllReduce)));
         }
-        let zero_blocks = Zero::with_blocks_per_unit(pg, Box::new(Gpt::new(cfg, 1)?), Stage::Three, opt_cfg(), 0);
+        let zero_blocks = Zero::with_blocks_per_unit(pg, Box::new(Gpt::new(cfg, 1)?), Stage::Three, 0);
         anyhow::ensure!(zero_blocks.is_err(), "0 blocks per unit must be refused");
         Ok(v)
     })
@@ -151,50 +147,111 @@ fn larger_units_make_fewer_collectives() {
         let units = 4_usize.div_ceil(*k); // 3 blocks per unit: [0 1 2] [3]; 5: one unit
         assert_eq!(*gathers, 1 + 2 * units as u64, "{k} blocks per unit: all-gathers per step");
         assert_eq!(*scatters, 1 + units as u64, "{k} blocks per unit: reduce-scatters per step");
-        assert_eq!(*reduces, 0, "{k} blocks per unit: no all-reduce");
+        assert_eq!(*reduces, 1, "{k} blocks per unit: one all-reduce (8 bytes: the global gradient norm)");
     }
 }
 
 #[test]
-fn memory_per_rank_follows_the_zero_model() {
-    // fp32 training: params 4 B, grads 4 B, AdamW m and v 8 B per parameter (K = 8, no master copy).
+fn memory_per_rank_is_measured_from_the_tensors_held() {
+    // fp32 training: params 4 B, grads 4 B, AdamW m and v 8 B per parameter (K = 8, no master copy),
+    // each counted by `held_bytes` from the tensors the rank keeps after a step, not from layouts.
     // Twelve blocks, so that ZeRO-3's transient buffers — the root unit and its gradient, two
     // gathered blocks (current + prefetched) and up to three blocks' flat gradients (one being
     // accumulated, two reductions in flight) — are a fraction of the model.
     let cfg = GptConfig { n_layer: 12, ..GptConfig::tiny() };
     let out = spawn(4, Backend::Local, move |pg| {
         let mut v = Vec::new();
-        for st in [Stage::One, Stage::Two, Stage::Three] {
+        for (st, reshard) in [(Stage::One, true), (Stage::Two, true), (Stage::Three, true), (Stage::Three, false)] {
             let model = Gpt::new(cfg, 1)?;
-            let mut opt = opt_cfg().build(&model)?;
-            let mut z = Zero::new(pg, Box::new(model), st, opt_cfg())?;
+            let mut opt = AdamW::new(opt_cfg());
+            let mut z = Zero::new(pg, Box::new(model), st)?.reshard_after_forward(reshard);
             let b = DistributedSampler::new(16, 8, pg.rank(), 4, 0)?.batch(&corpus(), 0);
-            ddp::train_step(&mut z, &mut opt, &b, 1)?;
-            v.push(z.memory());
+            for step in 0..2 {
+                ddp::train_step(&mut z, &mut opt, &b, 1 + step, StepConfig::lr(1e-3))?;
+            }
+            // Between steps, ZeRO-3's parameters are empty placeholders: any storage left behind
+            // (a unit never released) shows here.
+            let model_held = shardlab::memory::held_bytes(&z.model().parameters());
+            v.push((z.memory(&opt), model_held));
         }
         Ok(v)
     })
     .unwrap();
     let psi = cfg.num_params() as f64;
     let n = 4.0;
+    let units = 1.0 + cfg.n_layer as f64;
     for mems in out {
-        let [m1, m2, m3] = [mems[0], mems[1], mems[2]];
+        let [m1, m2, m3, m3k] = [mems[0].0, mems[1].0, mems[2].0, mems[3].0];
         let close = |got: u64, want: f64, what: &str| {
-            // Up to padding: each unit pads by fewer than N elements.
-            assert!((got as f64 - want).abs() <= 2.0 * 4.0 * n, "{what}: {got} bytes, model says {want}");
+            // Up to padding: each unit pads by fewer than N elements of 4 bytes.
+            assert!((got as f64 - want).abs() <= units * 4.0 * n, "{what}: {got} bytes held, the model says {want}");
         };
         close(m1.params, 4.0 * psi, "ZeRO-1 params");
-        close(m1.grads, 4.0 * psi, "ZeRO-1 grads");
+        close(m1.grads, 4.0 * psi + 4.0 * psi / n, "ZeRO-1 grads (full, and the averaged shard)");
         close(m1.optim, 8.0 * psi / n, "ZeRO-1 optimizer");
         close(m2.params, 4.0 * psi, "ZeRO-2 params");
         close(m2.grads, 4.0 * psi / n, "ZeRO-2 grads");
-        close(m3.params, 4.0 * psi / n, "ZeRO-3 params");
-        close(m3.grads + m3.optim, 12.0 * psi / n, "ZeRO-3 grads + optimizer");
+        close(m2.optim, 8.0 * psi / n, "ZeRO-2 optimizer");
+        for (m, what) in [(m3, "ZeRO-3"), (m3k, "ZeRO-3 without resharding after forward")] {
+            close(m.params, 4.0 * psi / n, &format!("{what} params"));
+            close(m.grads, 4.0 * psi / n, &format!("{what} grads"));
+            close(m.optim, 8.0 * psi / n, &format!("{what} optimizer"));
+        }
+        assert_eq!(mems[2].1, 0, "ZeRO-3: the model's parameters hold no storage between steps");
+        assert_eq!(mems[3].1, 0, "ZeRO-3 (no reshard after forward): no storage between steps either");
         assert!(
             m3.peak_transient > 0 && (m3.peak_transient as f64) < 0.6 * 4.0 * psi,
             "ZeRO-3 must never hold the whole model at once: peak transient {} bytes of {}",
             m3.peak_transient,
             4.0 * psi
         );
+    }
+}
+
+/// With SGD the update is the gradient times lr, so `Sum` instead of `Avg` in the reduce-scatter,
+/// a dropped accumulation share or a gradient counted twice changes the parameters (AdamW would
+/// cancel a constant factor). Reference: one process, the whole global batch, libtorch's SGD.
+#[test]
+fn sgd_steps_match_one_process_for_every_stage_with_uneven_accumulation() {
+    use tch::nn::OptimizerConfig;
+    // (ranks, global batch, accumulation): 10 rows on 2 ranks cut 1 + 2 + 2; 12 on 3 cut 1 + 1 + 2.
+    for (n, global, accum) in [(1usize, 12usize, 3i64), (2, 10, 3), (3, 12, 3), (4, 12, 2)] {
+        let reference = {
+            let data = corpus();
+            let m = Gpt::new(GptConfig::tiny(), 5).unwrap();
+            let mut opt = tch::nn::Sgd::default().build(m.var_store(), 0.5).unwrap();
+            for step in 0..STEPS {
+                m.loss(&DistributedSampler::new(16, global, 0, 1, 2).unwrap().batch(&data, step)).backward();
+                opt.step();
+                opt.zero_grad();
+            }
+            flat(&m.parameters())
+        };
+        let cases = [(Stage::One, true), (Stage::Two, true), (Stage::Three, true), (Stage::Three, false)];
+        let out = spawn(n, Backend::Local, move |pg| {
+            let mut v = Vec::new();
+            for (st, reshard) in cases {
+                let data = corpus();
+                let m = Gpt::new(GptConfig::tiny(), 5 + pg.rank() as u64)?;
+                let mut z = Zero::new(pg, Box::new(m), st)?.reshard_after_forward(reshard);
+                let s = DistributedSampler::new(16, global, pg.rank(), n, 2)?;
+                for step in 0..STEPS {
+                    ddp::train_step(&mut z, &mut Sgd, &s.batch(&data, step), accum, StepConfig::lr(0.5))?;
+                }
+                v.push(flat(&z.full_parameters()?));
+            }
+            Ok(v)
+        })
+        .unwrap();
+        for (rank, per) in out.iter().enumerate() {
+            for ((st, reshard), got) in cases.iter().zip(per) {
+                let worst = got.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(
+                    worst < 1e-6,
+                    "n={n} accum={accum} rank {rank} {st:?} (reshard {reshard}): SGD parameters differ from one \
+                     process by {worst}"
+                );
+            }
+        }
     }
 }

@@ -50,6 +50,8 @@ fn main() -> anyhow::Result<()> {
         steps: a.steps,
         warmup: 2,
         optim: AdamWConfig::default(),
+        lr_schedule: None,
+        grad_clip: None,
         data: DataSource::Synthetic { tokens: 1_000_000, seed: 1 },
         seed: 1,
         init: None,

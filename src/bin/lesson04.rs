@@ -51,6 +51,8 @@ fn main() -> anyhow::Result<()> {
         steps: args.steps,
         warmup: 1.min(args.steps.saturating_sub(1)),
         optim: AdamWConfig { lr: 3e-3, ..AdamWConfig::default() },
+        lr_schedule: None,
+        grad_clip: None,
         data: DataSource::Synthetic { tokens: 200_000, seed: 1 },
         seed: 1,
         init: None,

@@ -45,6 +45,8 @@ fn main() -> anyhow::Result<()> {
         steps: a.steps,
         warmup: 1,
         optim: AdamWConfig::default(),
+        lr_schedule: None,
+        grad_clip: None,
         data: DataSource::Synthetic { tokens: 100_000, seed: 1 },
         seed: 1,
         init: None,

@@ -8,8 +8,10 @@
 //! ```
 //!
 //! Data: `--data FILE` (little-endian u16 token ids, nanoGPT's `train.bin` format) or the
-//! synthetic arithmetic corpus (`--synthetic-tokens N`, the default). With `--json` every line is
-//! one JSON object: one per step, the last a summary (`strategy`, `world_size`, `params`,
+//! synthetic arithmetic corpus (`--synthetic-tokens N`, the default). Learning rate and clipping
+//! as nanoGPT's: `--lr` (peak), `--warmup-iters`, `--lr-decay-iters`, `--min-lr`, `--grad-clip`
+//! (1.0; 0 = off). With `--json` every line is one JSON object: one per step (`loss`, `lr`,
+//! `grad_norm` — the global norm before clipping — and timings), the last a summary (`strategy`, `world_size`, `params`,
 //! `tokens_per_s` — all ranks together, median over the steps after warm-up — and `final_loss`).
 
 use anyhow::bail;
@@ -64,8 +66,21 @@ struct Args {
     /// Steps left out of the throughput median.
     #[arg(long, default_value_t = 5)]
     warmup: u64,
+    /// Peak learning rate (nanoGPT's learning_rate).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
+    /// Learning-rate warm-up: linear from lr/(warmup_iters+1) to lr over this many steps (nanoGPT's warmup_iters).
+    #[arg(long, default_value_t = 0)]
+    warmup_iters: u64,
+    /// Cosine decay from lr to --min-lr ends at this step (nanoGPT's lr_decay_iters; default: --steps).
+    #[arg(long)]
+    lr_decay_iters: Option<u64>,
+    /// The rate the cosine decays to (nanoGPT's min_lr; default: --lr, i.e. no decay).
+    #[arg(long)]
+    min_lr: Option<f64>,
+    /// Clip the global gradient norm to this before each step; 0 turns clipping off (nanoGPT's grad_clip).
+    #[arg(long, default_value_t = 1.0)]
+    grad_clip: f64,
     #[arg(long, default_value_t = 0.1)]
     weight_decay: f64,
     /// Token file (little-endian u16 ids).
@@ -111,6 +126,13 @@ impl Args {
             steps: self.steps,
             warmup: self.warmup,
             optim: AdamWConfig { lr: self.lr, weight_decay: self.weight_decay, ..AdamWConfig::default() },
+            lr_schedule: Some(LrSchedule {
+                max_lr: self.lr,
+                min_lr: self.min_lr.unwrap_or(self.lr),
+                warmup_iters: self.warmup_iters,
+                decay_iters: self.lr_decay_iters.unwrap_or(self.steps),
+            }),
+            grad_clip: (self.grad_clip != 0.0).then_some(self.grad_clip),
             data: match &self.data {
                 Some(p) => DataSource::File(p.clone()),
                 None => DataSource::Synthetic { tokens: self.synthetic_tokens, seed: self.seed },

@@ -17,8 +17,10 @@ mod naive;
 pub use bucketed::{assign_buckets, DdpBucketed};
 pub use naive::{average_gradients, DdpNaive};
 
-use crate::comm::{CommResult, ProcessGroup};
+use crate::comm::{CommError, CommResult, ProcessGroup};
+use crate::memory::{held_bytes, MemoryStats};
 use crate::model::{Batch, Model};
+use crate::optim::{self, Decay, Optimizer, StepConfig};
 use serde::{Deserialize, Serialize};
 
 /// Which DDP implementation.
@@ -86,18 +88,43 @@ pub trait DataParallel {
     fn full_parameters(&self) -> CommResult<Vec<tch::Tensor>> {
         Ok(self.model().parameters().iter().map(|p| p.detach().copy()).collect())
     }
-    /// Bytes this rank holds in parameters, gradients and optimizer state, from the tensors it
-    /// keeps. Replicated strategies: the full model, its gradients and libtorch AdamW's two
-    /// moments (allocated at the first step).
-    fn memory(&self) -> crate::zero::MemoryStats {
-        let bytes = 4 * self.model().num_params() as u64;
-        crate::zero::MemoryStats { params: bytes, grads: bytes, optim: 2 * bytes, peak_transient: 0 }
+    /// Bytes this rank holds in parameters, gradients and `opt`'s state, measured from the tensors
+    /// it keeps ([`held_bytes`](crate::memory::held_bytes)). Replicated strategies: the full model
+    /// and its gradients (kept, zeroed, between steps).
+    fn memory(&self, opt: &dyn Optimizer) -> MemoryStats {
+        let params = self.model().parameters();
+        let grads: Vec<tch::Tensor> = params.iter().map(|p| p.grad()).collect();
+        MemoryStats {
+            params: held_bytes(&params),
+            grads: held_bytes(&grads),
+            optim: opt.state_bytes(),
+            peak_transient: 0,
+        }
     }
-    /// The optimizer step after the (synchronised) backward: for replicated strategies
-    /// `opt.step()` then `opt.zero_grad()`; ZeRO steps its own sharded AdamW and ignores `opt`.
-    fn step(&mut self, opt: &mut tch::nn::Optimizer) -> CommResult<()> {
-        opt.step();
-        opt.zero_grad(); // frees the gradients (set_to_none=True), as PyTorch's default
+    /// The global L2 norm of the (synchronised) gradients, on every rank, and if `max_norm` is
+    /// given, the gradients scaled down so that it is at most `max_norm` (PyTorch's
+    /// `clip_grad_norm_`). Replicated strategies hold the averaged gradients whole, so the local
+    /// norm is the global one; sharded strategies all-reduce the sum of squares of their shards.
+    fn clip_grad_norm(&mut self, max_norm: Option<f64>) -> CommResult<f64> {
+        let grads: Vec<tch::Tensor> = self.model().parameters().iter().map(|p| p.grad()).collect();
+        let norm = optim::global_norm(&grads);
+        if let Some(max) = max_norm {
+            scale_grads(&grads, optim::clip_coef(norm, max));
+        }
+        Ok(norm)
+    }
+    /// The optimizer step after the (synchronised) backward, at learning rate `lr`: `opt` updates
+    /// every parameter from its gradient (replicated strategies) or every unit's shard from its
+    /// gradient shard (ZeRO); then the gradients are zeroed for the next step.
+    fn step(&mut self, opt: &mut dyn Optimizer, lr: f64) -> CommResult<()> {
+        let params = self.model().parameters();
+        let grads: Vec<tch::Tensor> = params.iter().map(|p| p.grad()).collect();
+        let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
+        opt.step(lr, &params, &grads, &decay)
+            .map_err(|e| CommError::InvalidArgument(format!("rank {}: optimizer step: {e}", self.group().rank())))?;
+        for g in grads.iter().filter(|g| g.defined()) {
+            let _ = g.shallow_clone().detach_().zero_();
+        }
         Ok(())
     }
 
@@ -136,19 +163,41 @@ pub fn micro_batches(rows: i64, accum: i64) -> Vec<(i64, i64)> {
     (0..accum).map(|i| (rows * i / accum, rows * (i + 1) / accum)).collect()
 }
 
+/// Multiply every defined gradient by `c` (no-op when `c` is 1 or more).
+pub fn scale_grads(grads: &[tch::Tensor], c: f64) {
+    if c < 1.0 {
+        for g in grads.iter().filter(|g| g.defined()) {
+            let _ = g.shallow_clone().g_mul_scalar_(c);
+        }
+    }
+}
+
+/// What one optimizer step reports.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepOutput {
+    /// This rank's mean loss over its batch.
+    pub loss: f64,
+    /// The global gradient norm before clipping (as llm.c and nanoGPT print it).
+    pub grad_norm: f64,
+    /// The learning rate the step used.
+    pub lr: f64,
+}
+
 /// One optimizer step of data-parallel training on this rank's `batch`, cut into `accum`
 /// micro-batches: backward under `no_sync` for all but the last, each loss scaled by its share of
-/// the rows (so the accumulated gradient is that of the batch mean), then the optimizer step
-/// ([`DataParallel::step`]). Returns this rank's mean loss over the batch.
+/// the rows (so the accumulated gradient is that of the batch mean), the global gradient norm
+/// (clipped to `cfg.grad_clip` if set), then the optimizer step at `cfg.lr`
+/// ([`DataParallel::step`]).
 pub fn train_step(
     dp: &mut dyn DataParallel,
-    opt: &mut tch::nn::Optimizer,
+    opt: &mut dyn Optimizer,
     batch: &Batch,
     accum: i64,
-) -> CommResult<f64> {
+    cfg: StepConfig,
+) -> CommResult<StepOutput> {
     let rows = batch.len();
     if accum < 1 || accum > rows {
-        return Err(crate::comm::CommError::InvalidArgument(format!(
+        return Err(CommError::InvalidArgument(format!(
             "gradient accumulation over {accum} micro-batches needs 1..={rows} (the rows of this rank's batch)"
         )));
     }
@@ -161,8 +210,9 @@ pub fn train_step(
         dp.set_require_sync(true);
         loss += r? * share;
     }
-    dp.step(opt)?;
-    Ok(loss)
+    let grad_norm = dp.clip_grad_norm(cfg.grad_clip)?;
+    dp.step(opt, cfg.lr)?;
+    Ok(StepOutput { loss, grad_norm, lr: cfg.lr })
 }
 
 /// No data parallelism: one process, plain `loss.backward()` (the reference every strategy must match).

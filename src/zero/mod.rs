@@ -34,15 +34,15 @@
 //! [`round_trip`] has the same round trip driven by hand over a [`round_trip::UnitStack`], with the
 //! gathered units counted (lesson 06's exercise 4).
 
-pub mod adamw;
 pub mod flat;
 pub mod round_trip;
 
 use crate::comm::{CommError, CommResult, ProcessGroup, ReduceOp, Work};
 use crate::ddp::{DataParallel, DdpStats};
+use crate::memory::held_bytes;
+pub use crate::memory::MemoryStats;
 use crate::model::{Batch, Model};
-use crate::optim::AdamWConfig;
-use adamw::ShardedAdamW;
+use crate::optim::{self, Decay, Optimizer};
 use flat::FlatLayout;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -56,26 +56,6 @@ pub enum Stage {
     Three,
 }
 
-/// Bytes this rank holds, counted from the tensors it keeps.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MemoryStats {
-    /// Parameters kept between steps (full for DDP and stages 1–2, the shard for stage 3).
-    pub params: u64,
-    /// Gradients kept for the optimizer step (full for DDP and stage 1, the shard for 2–3).
-    pub grads: u64,
-    /// Optimizer state (AdamW m and v).
-    pub optim: u64,
-    /// Largest amount of transient buffers alive at once (gathered units, flat gradients).
-    pub peak_transient: u64,
-}
-
-impl MemoryStats {
-    /// Model states: params + grads + optimizer.
-    pub fn model_states(&self) -> u64 {
-        self.params + self.grads + self.optim
-    }
-}
-
 struct Unit {
     params: Vec<usize>,
     layout: FlatLayout,
@@ -86,9 +66,12 @@ struct Unit {
     shard: Tensor,
     /// (shard,) averaged gradient, accumulated over micro-batches until the step.
     grad_shard: Tensor,
-    /// (padded,) gradient of the current backward (stage 1: kept until the step).
+    /// (padded,) gradient of the current backward (stage 1: kept, zeroed after each step — ZeRO-1
+    /// keeps full gradients; stages 2–3: freed once reduced).
     grad_full: Option<Tensor>,
-    opt: ShardedAdamW,
+    /// (shard,) f32: 1 where the element belongs to a weight-decayed tensor (nanoGPT's groups), 0
+    /// elsewhere and in the padding — the optimizer's [`Decay::Mask`] for this shard.
+    decay_mask: Tensor,
     /// The unit's gradients are final after this stage's backward.
     done_stage: usize,
     is_root: bool,
@@ -132,10 +115,11 @@ fn empty() -> Tensor {
 }
 
 impl<'a> Zero<'a> {
-    /// Shard `model` over `pg` for `stage` with AdamW `optim`; rank 0's weights are broadcast first.
-    /// One unit per block (see [`Zero::with_blocks_per_unit`] for larger units).
-    pub fn new(pg: &'a ProcessGroup, model: Box<dyn Model + 'a>, stage: Stage, optim: AdamWConfig) -> CommResult<Self> {
-        Self::with_blocks_per_unit(pg, model, stage, optim, 1)
+    /// Shard `model` over `pg` for `stage`; rank 0's weights are broadcast first. One unit per
+    /// block (see [`Zero::with_blocks_per_unit`] for larger units). The optimizer is the caller's,
+    /// passed to [`DataParallel::step`]: it sees one slot per unit, this rank's shard.
+    pub fn new(pg: &'a ProcessGroup, model: Box<dyn Model + 'a>, stage: Stage) -> CommResult<Self> {
+        Self::with_blocks_per_unit(pg, model, stage, 1)
     }
 
     /// As [`Zero::new`], with `blocks_per_unit` consecutive blocks (model stages between the first
@@ -147,7 +131,6 @@ impl<'a> Zero<'a> {
         pg: &'a ProcessGroup,
         model: Box<dyn Model + 'a>,
         stage: Stage,
-        optim: AdamWConfig,
         blocks_per_unit: usize,
     ) -> CommResult<Self> {
         if blocks_per_unit == 0 {
@@ -173,7 +156,12 @@ impl<'a> Zero<'a> {
                 let shard = flat.narrow(0, r.start, r.end - r.start);
                 (Some(flat), shard)
             };
-            let opt = ShardedAdamW::new(optim, &layout, rank);
+            let mut mask = vec![0f32; layout.shard as usize];
+            for (i, _within, in_shard) in layout.shard_pieces(rank) {
+                if layout.shapes[i].len() >= 2 {
+                    mask[in_shard.start as usize..in_shard.end as usize].iter_mut().for_each(|x| *x = 1.0);
+                }
+            }
             let done_stage = idx.iter().map(|&i| stages[i]).min().unwrap_or(0);
             let is_root = u == 0 && idx.iter().any(|&i| stages[i] == 0 || stages[i] + 1 == model.num_stages());
             units.push(Unit {
@@ -183,7 +171,7 @@ impl<'a> Zero<'a> {
                 full,
                 shard,
                 grad_full: None,
-                opt,
+                decay_mask: Tensor::from_slice(&mask),
                 done_stage,
                 is_root,
             });
@@ -312,22 +300,30 @@ impl DataParallel for Zero<'_> {
         r
     }
 
-    /// Bytes held now (after a step: what is kept between steps) and the transient peak so far.
-    fn memory(&self) -> MemoryStats {
+    /// Bytes held now (after a step: what is kept between steps), measured from the tensors this
+    /// rank keeps: the model's parameters and the units' buffers (full and shard) for parameters,
+    /// the flat gradient buffers for gradients; and the transient peak so far.
+    fn memory(&self, opt: &dyn Optimizer) -> MemoryStats {
         let units = &self.units;
-        let sum = |f: &dyn Fn(&Unit) -> i64| units.iter().map(f).sum::<i64>() as u64 * 4;
         MemoryStats {
-            params: match self.stage {
-                Stage::Three => sum(&|u| u.layout.shard),
-                _ => sum(&|u| u.layout.padded),
-            },
-            grads: match self.stage {
-                Stage::One => sum(&|u| u.layout.padded),
-                _ => sum(&|u| u.layout.shard),
-            },
-            optim: units.iter().map(|u| u.opt.state_bytes()).sum(),
+            params: held_bytes(self.params.iter().chain(units.iter().flat_map(|u| u.full.iter().chain([&u.shard])))),
+            grads: held_bytes(units.iter().flat_map(|u| u.grad_full.iter().chain([&u.grad_shard]))),
+            optim: opt.state_bytes(),
             peak_transient: self.peak_transient,
         }
+    }
+
+    /// The global norm over every rank's gradient shards: Σ g² of the own shards (padding is
+    /// zero), all-reduced (f64, one element), square root; then the shards scaled if clipping.
+    fn clip_grad_norm(&mut self, max_norm: Option<f64>) -> CommResult<f64> {
+        let shards: Vec<Tensor> = self.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
+        let mut sq = Tensor::from_slice(&[optim::sum_of_squares(&shards)]);
+        self.pg.all_reduce(&mut sq, ReduceOp::Sum)?;
+        let norm = sq.double_value(&[0]).sqrt();
+        if let Some(max) = max_norm {
+            crate::ddp::scale_grads(&shards, optim::clip_coef(norm, max));
+        }
+        Ok(norm)
     }
 
     fn full_parameters(&self) -> CommResult<Vec<Tensor>> {
@@ -348,24 +344,25 @@ impl DataParallel for Zero<'_> {
         Ok(out.into_iter().map(|t| t.expect("every parameter is in a unit")).collect())
     }
 
-    fn step(&mut self, _opt: &mut tch::nn::Optimizer) -> CommResult<()> {
-        let mut freed = 0;
+    /// `opt` steps every unit's shard (one slot per unit) from its averaged gradient shard; stages
+    /// 1–2 then all-gather the updated shards into every rank's full parameters.
+    fn step(&mut self, opt: &mut dyn Optimizer, lr: f64) -> CommResult<()> {
+        let params: Vec<Tensor> = self.units.iter().map(|u| u.shard.shallow_clone()).collect();
+        let grads: Vec<Tensor> = self.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
+        let decay: Vec<Decay> = self.units.iter().map(|u| Decay::Mask(u.decay_mask.shallow_clone())).collect();
+        opt.step(lr, &params, &grads, &decay)
+            .map_err(|e| CommError::InvalidArgument(format!("rank {}: optimizer step: {e}", self.pg.rank())))?;
         for u in &mut self.units {
-            if u.grad_full.take().is_some() {
-                freed += 4 * u.layout.padded; // stage 1's full gradient buffer, kept until the step
-            }
-            let mut p = u.shard.shallow_clone();
-            u.opt.update(&mut p, &u.grad_shard);
             let _ = u.grad_shard.zero_();
         }
-        self.track(-freed);
         if self.stage != Stage::Three {
             // Every rank updated its own shard: all-gather the updated parameters into the full buffers.
             let mut works = Vec::new();
             for u in &self.units {
-                let input = u.shard.copy(); // the output buffer contains the shard: gather from a copy
-                                            // The full buffer stays in the unit (the parameters are views of it); nothing
-                                            // reads or writes them until every gather below has been waited on.
+                // The output buffer contains the shard: gather from a copy. The full buffer stays
+                // in the unit (the parameters are views of it); nothing reads or writes them until
+                // every gather below has been waited on.
+                let input = u.shard.copy();
                 let full = u.full.as_ref().expect("stages 1-2 keep full parameters").shallow_clone();
                 works.push(self.pg.all_gather_async(full, input)?);
             }
@@ -476,8 +473,10 @@ impl Zero<'_> {
                 let j = self.units[u].params.iter().position(|&p| p == i).expect("param in its unit");
                 if self.units[u].grad_full.is_none() {
                     self.units[u].grad_full = Some(self.units[u].layout.zeros());
-                    let b = 4 * self.units[u].layout.padded;
-                    self.track(b);
+                    if self.stage != Stage::One {
+                        let b = 4 * self.units[u].layout.padded; // stage 1 keeps it: not transient
+                        self.track(b);
+                    }
                 }
                 let gf = self.units[u].grad_full.as_ref().unwrap();
                 let _ = self.units[u].layout.view(gf, j).g_add_(g);

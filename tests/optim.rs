@@ -1,0 +1,175 @@
+//! The training core every strategy shares: shardlab's AdamW against libtorch's, nanoGPT's LR
+//! schedule, and global-norm gradient clipping across shards against single-process
+//! `clip_grad_norm_` (tch's `Optimizer::clip_grad_norm`, PyTorch's formula).
+
+use shardlab::data::{synthetic_corpus, DistributedSampler, Tokens};
+use shardlab::ddp::{self, DataParallel, Single, Variant};
+use shardlab::model::{Gpt, GptConfig, Model};
+use shardlab::prelude::*;
+use shardlab::zero::{Stage, Zero};
+
+fn corpus() -> Tokens {
+    synthetic_corpus(4000, 7)
+}
+
+fn flat(ps: &[Tensor]) -> Vec<f32> {
+    let all = Tensor::cat(&ps.iter().map(|p| p.detach().reshape([-1])).collect::<Vec<_>>(), 0);
+    Vec::<f32>::try_from(&all).unwrap()
+}
+
+fn worst(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "parameter count");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+}
+
+/// shardlab's AdamW and libtorch's on the same model and batches, one process: `steps` steps,
+/// the worst parameter difference.
+fn adamw_vs_libtorch(eps: f64, steps: u64) -> f32 {
+    let cfg = AdamWConfig { lr: 1e-3, eps, ..AdamWConfig::default() };
+    let data = corpus();
+    let s = DistributedSampler::new(16, 4, 0, 1, 3).unwrap();
+    let reference = {
+        let m = Gpt::new(GptConfig::tiny(), 2).unwrap();
+        let mut opt = cfg.build(&m).unwrap();
+        for step in 0..steps {
+            m.loss(&s.batch(&data, step)).backward();
+            opt.step();
+            opt.zero_grad();
+        }
+        flat(&m.parameters())
+    };
+    let out = spawn(1, Backend::Local, move |pg| {
+        let mut dp = Single::new(pg, Box::new(Gpt::new(GptConfig::tiny(), 2)?))?;
+        let mut opt = AdamW::new(cfg);
+        for step in 0..steps {
+            ddp::train_step(&mut dp, &mut opt, &s.batch(&corpus(), step), 1, StepConfig::lr(cfg.lr))?;
+        }
+        let state = opt.state();
+        anyhow::ensure!(state.steps.iter().all(|&t| t == steps), "every slot stepped {steps} times: {:?}", state.steps);
+        Ok(flat(&dp.model().parameters()))
+    })
+    .unwrap();
+    worst(&out[0], &reference)
+}
+
+#[test]
+fn adamw_is_libtorchs_adamw_over_20_steps() {
+    // One step from the same gradients: the same arithmetic up to rounding (libtorch fuses
+    // `add_(g, α)` and `addcdiv_`, we do not), with nanoGPT's eps 1e-8.
+    let w = adamw_vs_libtorch(1e-8, 1);
+    assert!(w < 1e-7, "one step: shardlab's AdamW differs from libtorch's by {w}");
+    // Twenty steps. Over many steps the two runs' parameters, and so their gradients, drift apart
+    // by rounding, and with eps 1e-8 Adam turns the rounding noise of near-zero gradient elements
+    // (attention key biases) into lr-sized steps (measured: 3e-6 after 20 steps); eps 1e-6 keeps
+    // those steps small without changing the rest.
+    let w = adamw_vs_libtorch(1e-6, 20);
+    assert!(w < 1e-6, "20 steps: shardlab's AdamW differs from libtorch's by {w}");
+}
+
+#[test]
+fn adamw_state_round_trips_and_resumes_identically() {
+    // 6 steps straight vs 3 steps, state saved into a fresh optimizer, 3 more: identical.
+    let cfg = AdamWConfig::default();
+    let out = spawn(1, Backend::Local, move |pg| {
+        let s = DistributedSampler::new(16, 4, 0, 1, 3)?;
+        let run = |split: bool| -> anyhow::Result<Vec<f32>> {
+            let mut dp = Single::new(pg, Box::new(Gpt::new(GptConfig::tiny(), 2)?))?;
+            let mut opt = AdamW::new(cfg);
+            for step in 0..6 {
+                if split && step == 3 {
+                    let mut fresh = AdamW::new(cfg);
+                    fresh.load_state(opt.state()).map_err(anyhow::Error::msg)?;
+                    opt = fresh;
+                }
+                ddp::train_step(&mut dp, &mut opt, &s.batch(&corpus(), step), 1, StepConfig::lr(1e-3))?;
+            }
+            Ok(flat(&dp.model().parameters()))
+        };
+        Ok((run(false)?, run(true)?))
+    })
+    .unwrap();
+    let (a, b) = &out[0];
+    assert_eq!(a, b, "resuming from state() must give bit-identical parameters");
+}
+
+#[test]
+fn the_lr_schedule_is_nanogpts() {
+    // nanoGPT's get_lr with warmup_iters 10, lr_decay_iters 100, learning_rate 6e-4, min_lr 6e-5.
+    let s = LrSchedule { max_lr: 6e-4, min_lr: 6e-5, warmup_iters: 10, decay_iters: 100 };
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-15;
+    assert!(close(s.lr(0), 6e-4 / 11.0), "step 0: lr·1/(warmup+1), got {}", s.lr(0));
+    assert!(close(s.lr(9), 6e-4 * 10.0 / 11.0), "step 9");
+    assert!(close(s.lr(10), 6e-4), "step 10: the peak");
+    assert!(close(s.lr(55), 6e-5 + 0.5 * (6e-4 - 6e-5)), "halfway through the decay: cos(π/2) → the mean");
+    assert!(close(s.lr(100), 6e-5) && close(s.lr(1000), 6e-5), "after the decay: min_lr");
+    assert!((11..100).all(|t| s.lr(t) < s.lr(t - 1)), "decreasing during the decay");
+    assert!(LrSchedule::constant(3e-4).lr(7) == 3e-4);
+    assert!(LrSchedule { max_lr: 1e-3, min_lr: 2e-3, warmup_iters: 0, decay_iters: 5 }.validate().is_err());
+    assert!(LrSchedule { max_lr: 1e-3, min_lr: 0.0, warmup_iters: 9, decay_iters: 5 }.validate().is_err());
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Strat {
+    Ddp,
+    Zero(Stage),
+}
+
+#[test]
+fn clipping_across_shards_is_single_process_clip_grad_norm() {
+    // A clip of 0.05 is far below the tiny GPT's gradient norm (≈ 1–3): every step clips. AdamW
+    // with eps 1e-6 (see tests/zero.rs: near-zero gradient elements amplify rounding otherwise).
+    const CLIP: f64 = 0.05;
+    const GLOBAL: usize = 12;
+    let cfg = AdamWConfig { lr: 3e-3, eps: 1e-6, ..AdamWConfig::default() };
+    let (reference, ref_norms) = {
+        let data = corpus();
+        let m = Gpt::new(GptConfig::tiny(), 5).unwrap();
+        let mut opt = cfg.build(&m).unwrap();
+        let mut norms = Vec::new();
+        for step in 0..3 {
+            m.loss(&DistributedSampler::new(16, GLOBAL, 0, 1, 2).unwrap().batch(&data, step)).backward();
+            let g: Vec<Tensor> = m.parameters().iter().map(|p| p.grad()).collect();
+            norms.push(shardlab::optim::global_norm(&g));
+            opt.clip_grad_norm(CLIP);
+            opt.step();
+            opt.zero_grad();
+        }
+        (flat(&m.parameters()), norms)
+    };
+    assert!(ref_norms.iter().all(|&n| n > 10.0 * CLIP), "clipping must be active: norms {ref_norms:?}");
+    let strats = [Strat::Ddp, Strat::Zero(Stage::One), Strat::Zero(Stage::Two), Strat::Zero(Stage::Three)];
+    for n in 1..=4 {
+        let out = spawn(n, Backend::Local, move |pg| {
+            let mut v = Vec::new();
+            for strat in strats {
+                let m = Gpt::new(GptConfig::tiny(), 5 + pg.rank() as u64)?;
+                let mut dp: Box<dyn DataParallel> = match strat {
+                    Strat::Ddp => ddp::wrap(pg, Box::new(m), Variant::Bucketed, 16 * 1024)?,
+                    Strat::Zero(st) => Box::new(Zero::new(pg, Box::new(m), st)?),
+                };
+                let mut opt = AdamW::new(cfg);
+                let s = DistributedSampler::new(16, GLOBAL, pg.rank(), n, 2)?;
+                let mut norms = Vec::new();
+                for step in 0..3 {
+                    let c = StepConfig { lr: cfg.lr, grad_clip: Some(CLIP) };
+                    norms.push(ddp::train_step(&mut *dp, &mut opt, &s.batch(&corpus(), step), 1, c)?.grad_norm);
+                }
+                v.push((flat(&dp.full_parameters()?), norms));
+            }
+            Ok(v)
+        })
+        .unwrap();
+        for (rank, per) in out.iter().enumerate() {
+            for (strat, (params, norms)) in strats.iter().zip(per) {
+                for (got, want) in norms.iter().zip(&ref_norms) {
+                    assert!(
+                        (got - want).abs() < 1e-5 * want,
+                        "n={n} rank {rank} {strat:?}: global gradient norm {got}, one process {want}"
+                    );
+                }
+                let w = worst(params, &reference);
+                assert!(w < 2e-5, "n={n} rank {rank} {strat:?}: clipped training differs from one process by {w}");
+            }
+        }
+    }
+}
