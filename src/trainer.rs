@@ -47,6 +47,7 @@ use crate::ddp::{self, DataParallel, Variant};
 use crate::launch::{is_spawned_child, spawn_with, Launch, SpawnOptions};
 use crate::model::Model;
 use crate::optim::{AdamW, AdamWConfig};
+use crate::stages::Checkpointing;
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -105,6 +106,8 @@ pub struct ScalingConfig {
     /// ZeRO/FSDP: consecutive transformer blocks per unit (see
     /// [`Zero::with_blocks_per_unit`](crate::zero::Zero::with_blocks_per_unit)); default 1.
     pub blocks_per_unit: usize,
+    /// Activation checkpointing: which blocks are recomputed in backward (lesson 09).
+    pub activation_checkpointing: Checkpointing,
     pub comm: CommConfig,
     /// Arguments for re-executed worker processes (tests pass `--exact NAME`); default: ours.
     pub child_args: Option<Vec<String>>,
@@ -123,6 +126,7 @@ impl Default for ScalingConfig {
             threads_per_worker: None,
             reshard_after_forward: true,
             blocks_per_unit: 1,
+            activation_checkpointing: Checkpointing::None,
             comm: CommConfig::default(),
             child_args: None,
         }
@@ -153,7 +157,7 @@ impl<'a> TrainContext<'a> {
     /// Wrap `model` for the configured strategy (every strategy broadcasts rank 0's weights to
     /// all ranks first; ZeRO/FSDP then shard them).
     pub fn prepare_model(&self, model: Box<dyn Model + 'a>) -> anyhow::Result<Box<dyn DataParallel + 'a>> {
-        Ok(match (self.scaling.strategy, self.scaling.strategy.zero_stage()) {
+        let mut dp: Box<dyn DataParallel + 'a> = match (self.scaling.strategy, self.scaling.strategy.zero_stage()) {
             (Strategy::Single, _) => Box::new(ddp::Single::new(self.pg, model)?),
             (Strategy::Ddp, _) => ddp::wrap(self.pg, model, self.scaling.variant, self.scaling.bucket_cap_bytes)?,
             (_, Some(stage)) => Box::new(
@@ -161,7 +165,9 @@ impl<'a> TrainContext<'a> {
                     .reshard_after_forward(self.scaling.reshard_after_forward),
             ),
             (s, None) => anyhow::bail!("strategy {s:?} has no wrapper"),
-        })
+        };
+        dp.set_checkpointing(self.scaling.activation_checkpointing);
+        Ok(dp)
     }
     /// Wrap `model` for the configured strategy and build its AdamW (like `deepspeed.initialize`).
     /// The optimizer is the caller's: pass it to [`train_step`](crate::ddp::train_step) or

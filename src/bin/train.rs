@@ -41,6 +41,10 @@ struct Args {
     /// larger all-gathers and reduce-scatters, more memory in flight.
     #[arg(long, default_value_t = 1)]
     unit_blocks: usize,
+    /// Activation checkpointing: none, full (recompute every block in backward) or every:K (one
+    /// block in K). Gradients are identical; memory falls, one more forward per recomputed block.
+    #[arg(long, default_value = "none")]
+    activation_checkpointing: Checkpointing,
     /// ZeRO-3/FSDP: keep each gathered unit from its forward to its backward (one all-gather per
     /// unit per step instead of two, no recompute; the full parameters stay alive meanwhile).
     #[arg(long)]
@@ -195,6 +199,7 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.unit_blocks >= 1, "--unit-blocks must be at least 1");
     scaling.blocks_per_unit = args.unit_blocks;
     scaling.reshard_after_forward = !args.no_reshard_after_forward;
+    scaling.activation_checkpointing = args.activation_checkpointing;
     let s = args.job().fit(scaling, !args.json, args.json)?;
     if args.json {
         let mut v = serde_json::to_value(&s)?;

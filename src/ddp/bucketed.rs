@@ -14,7 +14,8 @@
 
 use super::{DataParallel, DdpStats};
 use crate::comm::{CommResult, ProcessGroup, ReduceOp, Work};
-use crate::model::{grads, staged_backward, Batch, Model};
+use crate::model::{grads, Batch, Model};
+use crate::stages::{forward_backward, AccumulateGrads, Checkpointing};
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
@@ -81,6 +82,7 @@ pub struct DdpBucketed<'a> {
     buckets: Vec<Bucket>,
     require_sync: bool,
     stats: DdpStats,
+    checkpointing: Checkpointing,
 }
 
 impl<'a> DdpBucketed<'a> {
@@ -144,7 +146,15 @@ impl<'a> DdpBucketed<'a> {
                 Bucket { params: idx, offsets, flat: flat_buffer(n), numel: n, ready_stage }
             })
             .collect();
-        Ok(DdpBucketed { pg, model, params, buckets, require_sync: true, stats: DdpStats::default() })
+        Ok(DdpBucketed {
+            pg,
+            model,
+            params,
+            buckets,
+            require_sync: true,
+            stats: DdpStats::default(),
+            checkpointing: Checkpointing::None,
+        })
     }
 
     /// Parameter indices of each bucket, in the order they are reduced (for [`assign_buckets`]:
@@ -162,14 +172,14 @@ impl DataParallel for DdpBucketed<'_> {
         self.pg
     }
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
-        let DdpBucketed { pg, model, params, buckets, require_sync, stats } = self;
+        let DdpBucketed { pg, model, params, buckets, require_sync, stats, checkpointing } = self;
         let sync = *require_sync;
         let mut works: Vec<(usize, Work<Tensor>)> = Vec::new();
         let mut err = None;
         let t0 = Instant::now();
-        let loss = staged_backward(&**model, batch, scale, |stage| {
+        let mut hooks = AccumulateGrads::new(params, |stage| {
             if !sync || err.is_some() {
-                return;
+                return Ok(());
             }
             for (bi, b) in buckets.iter_mut().enumerate().filter(|(_, b)| b.ready_stage == stage) {
                 if !b.flat.defined() {
@@ -184,12 +194,17 @@ impl DataParallel for DdpBucketed<'_> {
                 match pg.all_reduce_async(flat, ReduceOp::Avg) {
                     Ok(w) => works.push((bi, w)),
                     Err(e) => {
+                        // Finish the backward (no collective is left half-started), then fail.
                         err = Some(e);
-                        return;
+                        return Ok(());
                     }
                 }
             }
+            Ok(())
         });
+        let loss = forward_backward(&**model, params, batch, scale, *checkpointing, &mut hooks);
+        drop(hooks);
+        let loss = loss?;
         stats.compute_s += t0.elapsed().as_secs_f64();
         if !sync {
             return Ok(loss);
@@ -220,6 +235,9 @@ impl DataParallel for DdpBucketed<'_> {
     }
     fn set_require_sync(&mut self, on: bool) {
         self.require_sync = on;
+    }
+    fn set_checkpointing(&mut self, policy: Checkpointing) {
+        self.checkpointing = policy;
     }
     fn stats(&self) -> DdpStats {
         self.stats

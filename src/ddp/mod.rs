@@ -21,6 +21,7 @@ use crate::comm::{CommError, CommResult, ProcessGroup};
 use crate::memory::{held_bytes, MemoryStats};
 use crate::model::{Batch, Model};
 use crate::optim::{self, Decay, Optimizer, StepConfig};
+use crate::stages::{forward_backward, AccumulateGrads, Checkpointing};
 use serde::{Deserialize, Serialize};
 
 /// Which DDP implementation.
@@ -81,6 +82,9 @@ pub trait DataParallel {
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64>;
     /// Turn gradient synchronisation off (`false`) or back on.
     fn set_require_sync(&mut self, on: bool);
+    /// Activation checkpointing for the following backward passes (lesson 09): which blocks keep
+    /// no graph in forward and are recomputed in backward.
+    fn set_checkpointing(&mut self, policy: Checkpointing);
     /// Timings and volumes so far.
     fn stats(&self) -> DdpStats;
     /// Copies of the full parameters, in `named_parameters` order, on every rank (a collective
@@ -220,6 +224,7 @@ pub struct Single<'a> {
     pg: &'a ProcessGroup,
     model: Box<dyn Model + 'a>,
     stats: DdpStats,
+    checkpointing: Checkpointing,
 }
 
 impl<'a> Single<'a> {
@@ -231,7 +236,7 @@ impl<'a> Single<'a> {
                 pg.world_size()
             )));
         }
-        Ok(Single { pg, model, stats: DdpStats::default() })
+        Ok(Single { pg, model, stats: DdpStats::default(), checkpointing: Checkpointing::None })
     }
 }
 
@@ -244,13 +249,16 @@ impl DataParallel for Single<'_> {
     }
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
         let t0 = std::time::Instant::now();
-        let loss = self.model.loss(batch);
-        let v = loss.double_value(&[]);
-        (loss * scale).backward();
+        let params = self.model.parameters();
+        let mut hooks = AccumulateGrads::new(&params, |_| Ok(()));
+        let v = forward_backward(&*self.model, &params, batch, scale, self.checkpointing, &mut hooks)?;
         self.stats.compute_s += t0.elapsed().as_secs_f64();
         Ok(v)
     }
     fn set_require_sync(&mut self, _on: bool) {}
+    fn set_checkpointing(&mut self, policy: Checkpointing) {
+        self.checkpointing = policy;
+    }
     fn stats(&self) -> DdpStats {
         self.stats
     }

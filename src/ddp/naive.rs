@@ -7,6 +7,7 @@
 use super::{DataParallel, DdpStats};
 use crate::comm::{CommResult, ProcessGroup, ReduceOp};
 use crate::model::{grads, Batch, Model};
+use crate::stages::{forward_backward, AccumulateGrads, Checkpointing};
 use std::time::Instant;
 use tch::Tensor;
 
@@ -17,6 +18,7 @@ pub struct DdpNaive<'a> {
     params: Vec<Tensor>,
     require_sync: bool,
     stats: DdpStats,
+    checkpointing: Checkpointing,
 }
 
 impl<'a> DdpNaive<'a> {
@@ -24,7 +26,14 @@ impl<'a> DdpNaive<'a> {
     pub fn new(pg: &'a ProcessGroup, model: Box<dyn Model + 'a>) -> CommResult<Self> {
         let mut params = model.parameters();
         tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
-        Ok(DdpNaive { pg, model, params, require_sync: true, stats: DdpStats::default() })
+        Ok(DdpNaive {
+            pg,
+            model,
+            params,
+            require_sync: true,
+            stats: DdpStats::default(),
+            checkpointing: Checkpointing::None,
+        })
     }
 }
 
@@ -49,9 +58,8 @@ impl DataParallel for DdpNaive<'_> {
     }
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
         let t0 = Instant::now();
-        let loss = self.model.loss(batch);
-        let value = loss.double_value(&[]);
-        (loss * scale).backward();
+        let mut hooks = AccumulateGrads::new(&self.params, |_| Ok(()));
+        let value = forward_backward(&*self.model, &self.params, batch, scale, self.checkpointing, &mut hooks)?;
         self.stats.compute_s += t0.elapsed().as_secs_f64();
         if self.require_sync {
             let t1 = Instant::now();
@@ -66,6 +74,9 @@ impl DataParallel for DdpNaive<'_> {
     }
     fn set_require_sync(&mut self, on: bool) {
         self.require_sync = on;
+    }
+    fn set_checkpointing(&mut self, policy: Checkpointing) {
+        self.checkpointing = policy;
     }
     fn stats(&self) -> DdpStats {
         self.stats

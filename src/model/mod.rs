@@ -88,35 +88,24 @@ pub trait Model: Send {
 }
 
 /// Forward, then backward one stage at a time from the last to the first, scaling the loss by
-/// `scale` (1/accumulation steps). After stage `s`'s backward, every parameter whose first use is
-/// stage `s` has its final gradient for this batch and `on_stage_done(s)` is called.
+/// `scale` (1/accumulation steps), adding the gradients into the parameters' `.grad`. After stage
+/// `s`'s backward, every parameter whose first use is stage `s` has its final gradient for this
+/// batch and `on_stage_done(s)` is called.
 ///
 /// How: the output of each stage is detached into a fresh leaf that requires grad and fed to the
 /// next stage, so each stage has its own graph. Backward of stage `s` is `sum(out_s · g)` where
 /// `g` is the gradient that stage `s+1`'s backward left on its input leaf — by the chain rule the
 /// same parameter gradients as one monolithic `loss.backward()`. Returns the (unscaled) loss value.
+/// This is [`crate::stages::forward_backward`] with no checkpointing and the replicated
+/// strategies' hooks.
 pub fn staged_backward(model: &dyn Model, batch: &Batch, scale: f64, mut on_stage_done: impl FnMut(usize)) -> f64 {
-    let n = model.num_stages();
-    let mut inputs: Vec<Tensor> = Vec::with_capacity(n);
-    let mut outputs: Vec<Tensor> = Vec::with_capacity(n);
-    for s in 0..n {
-        let xin = if s == 0 { Tensor::new() } else { outputs[s - 1].detach().set_requires_grad(true) };
-        let y = model.stage_forward(s, &xin, batch);
-        inputs.push(xin);
-        outputs.push(y);
-    }
-    let loss = outputs.pop().expect("a model has at least one stage");
-    let value = loss.double_value(&[]);
-    (&loss * scale).backward();
-    drop(loss);
-    on_stage_done(n - 1);
-    for s in (0..n - 1).rev() {
-        let out = outputs.pop().expect("one output per stage");
-        let g = inputs.pop().expect("one input per stage").grad();
-        (out * g).sum(tch::Kind::Float).backward();
+    use crate::stages::{forward_backward, AccumulateGrads, Checkpointing};
+    let params = model.parameters();
+    let mut hooks = AccumulateGrads::new(&params, |s| {
         on_stage_done(s);
-    }
-    value
+        Ok(())
+    });
+    forward_backward(model, &params, batch, scale, Checkpointing::None, &mut hooks).expect("these hooks cannot fail")
 }
 
 /// Group parameter indices by the stage that first uses them (`param_stages`), for `num_stages` stages.

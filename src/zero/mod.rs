@@ -43,6 +43,7 @@ use crate::memory::held_bytes;
 pub use crate::memory::MemoryStats;
 use crate::model::{Batch, Model};
 use crate::optim::{self, Decay, Optimizer};
+use crate::stages::{forward_backward, Checkpointing, StageHooks};
 use flat::FlatLayout;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -79,9 +80,15 @@ struct Unit {
 
 /// A model trained with ZeRO stage 1, 2 or 3 (3 = FSDP).
 pub struct Zero<'a> {
-    pg: &'a ProcessGroup,
     model: Box<dyn Model + 'a>,
+    z: Core<'a>,
+}
+
+/// Everything but the model: the state the stage hooks work on ([`StageHooks`] for `Core`).
+struct Core<'a> {
+    pg: &'a ProcessGroup,
     params: Vec<Tensor>,
+    stage_uses: Vec<Vec<usize>>,
     units: Vec<Unit>,
     unit_of: Vec<usize>,
     stage: Stage,
@@ -94,6 +101,11 @@ pub struct Zero<'a> {
     /// Stage 3: free each block unit right after its forward (and recompute the block in
     /// backward) instead of keeping it gathered until its backward.
     reshard_after_forward: bool,
+    checkpointing: Checkpointing,
+    /// This backward reduces gradients (stage 1 inside `no_sync` does not).
+    sync: bool,
+    /// Reductions started by this backward, not yet waited for.
+    reductions: Vec<(usize, Work<Tensor>)>,
 }
 
 /// How ZeRO/FSDP groups a model's parameters into units: the parameter indices of each unit, in
@@ -176,19 +188,26 @@ impl<'a> Zero<'a> {
                 is_root,
             });
         }
+        let stage_uses = model.stage_uses();
         Ok(Zero {
-            pg,
             model,
-            params,
-            units,
-            unit_of,
-            stage,
-            require_sync: true,
-            stats: DdpStats::default(),
-            transient: 0,
-            peak_transient: 0,
-            pending: Vec::new(),
-            reshard_after_forward: true,
+            z: Core {
+                pg,
+                params,
+                stage_uses,
+                units,
+                unit_of,
+                stage,
+                require_sync: true,
+                stats: DdpStats::default(),
+                transient: 0,
+                peak_transient: 0,
+                pending: Vec::new(),
+                reshard_after_forward: true,
+                checkpointing: Checkpointing::None,
+                sync: true,
+                reductions: Vec::new(),
+            },
         })
     }
 
@@ -201,15 +220,17 @@ impl<'a> Zero<'a> {
     /// per unit per step (DDP's traffic), the full parameters alive between a unit's forward and
     /// its backward.
     pub fn reshard_after_forward(mut self, on: bool) -> Self {
-        self.reshard_after_forward = on;
+        self.z.reshard_after_forward = on;
         self
     }
 
     /// The stage.
     pub fn stage(&self) -> Stage {
-        self.stage
+        self.z.stage
     }
+}
 
+impl Core<'_> {
     fn track(&mut self, delta: i64) {
         self.transient = (self.transient as i64 + delta).max(0) as u64;
         self.peak_transient = self.peak_transient.max(self.transient);
@@ -263,8 +284,8 @@ impl<'a> Zero<'a> {
     }
 
     /// The non-root unit of stage `s`, if any.
-    fn block_unit(&self, s: usize, stage_uses: &[Vec<usize>]) -> Option<usize> {
-        stage_uses.get(s)?.iter().map(|&i| self.unit_of[i]).find(|&u| !self.units[u].is_root)
+    fn block_unit(&self, s: usize) -> Option<usize> {
+        self.stage_uses.get(s)?.iter().map(|&i| self.unit_of[i]).find(|&u| !self.units[u].is_root)
     }
 
     fn wait_all(&mut self) -> CommResult<()> {
@@ -283,19 +304,27 @@ impl DataParallel for Zero<'_> {
         &*self.model
     }
     fn group(&self) -> &ProcessGroup {
-        self.pg
+        self.z.pg
     }
     fn set_require_sync(&mut self, on: bool) {
-        self.require_sync = on;
+        self.z.require_sync = on;
     }
     fn stats(&self) -> DdpStats {
-        self.stats
+        self.z.stats
+    }
+
+    fn set_checkpointing(&mut self, policy: Checkpointing) {
+        self.z.checkpointing = policy;
     }
 
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
         let r = self.backward_inner(batch, scale);
         if r.is_err() {
-            let _ = self.wait_all();
+            // Nothing may stay in flight: wait for (and drop) every started gather and reduction.
+            let _ = self.z.wait_all();
+            for (_, w) in std::mem::take(&mut self.z.reductions) {
+                let _ = w.wait();
+            }
         }
         r
     }
@@ -304,21 +333,21 @@ impl DataParallel for Zero<'_> {
     /// rank keeps: the model's parameters and the units' buffers (full and shard) for parameters,
     /// the flat gradient buffers for gradients; and the transient peak so far.
     fn memory(&self, opt: &dyn Optimizer) -> MemoryStats {
-        let units = &self.units;
+        let units = &self.z.units;
         MemoryStats {
-            params: held_bytes(self.params.iter().chain(units.iter().flat_map(|u| u.full.iter().chain([&u.shard])))),
+            params: held_bytes(self.z.params.iter().chain(units.iter().flat_map(|u| u.full.iter().chain([&u.shard])))),
             grads: held_bytes(units.iter().flat_map(|u| u.grad_full.iter().chain([&u.grad_shard]))),
             optim: opt.state_bytes(),
-            peak_transient: self.peak_transient,
+            peak_transient: self.z.peak_transient,
         }
     }
 
     /// The global norm over every rank's gradient shards: Σ g² of the own shards (padding is
     /// zero), all-reduced (f64, one element), square root; then the shards scaled if clipping.
     fn clip_grad_norm(&mut self, max_norm: Option<f64>) -> CommResult<f64> {
-        let shards: Vec<Tensor> = self.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
+        let shards: Vec<Tensor> = self.z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
         let mut sq = Tensor::from_slice(&[optim::sum_of_squares(&shards)]);
-        self.pg.all_reduce(&mut sq, ReduceOp::Sum)?;
+        self.z.pg.all_reduce(&mut sq, ReduceOp::Sum)?;
         let norm = sq.double_value(&[0]).sqrt();
         if let Some(max) = max_norm {
             crate::ddp::scale_grads(&shards, optim::clip_coef(norm, max));
@@ -327,13 +356,13 @@ impl DataParallel for Zero<'_> {
     }
 
     fn full_parameters(&self) -> CommResult<Vec<Tensor>> {
-        let mut out: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
-        for u in &self.units {
+        let mut out: Vec<Option<Tensor>> = (0..self.z.params.len()).map(|_| None).collect();
+        for u in &self.z.units {
             let full = match &u.full {
                 Some(f) => f.shallow_clone(),
                 None => {
                     let mut f = u.layout.zeros();
-                    self.pg.all_gather(&mut f, &u.shard)?;
+                    self.z.pg.all_gather(&mut f, &u.shard)?;
                     f
                 }
             };
@@ -347,24 +376,24 @@ impl DataParallel for Zero<'_> {
     /// `opt` steps every unit's shard (one slot per unit) from its averaged gradient shard; stages
     /// 1–2 then all-gather the updated shards into every rank's full parameters.
     fn step(&mut self, opt: &mut dyn Optimizer, lr: f64) -> CommResult<()> {
-        let params: Vec<Tensor> = self.units.iter().map(|u| u.shard.shallow_clone()).collect();
-        let grads: Vec<Tensor> = self.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
-        let decay: Vec<Decay> = self.units.iter().map(|u| Decay::Mask(u.decay_mask.shallow_clone())).collect();
+        let params: Vec<Tensor> = self.z.units.iter().map(|u| u.shard.shallow_clone()).collect();
+        let grads: Vec<Tensor> = self.z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
+        let decay: Vec<Decay> = self.z.units.iter().map(|u| Decay::Mask(u.decay_mask.shallow_clone())).collect();
         opt.step(lr, &params, &grads, &decay)
-            .map_err(|e| CommError::InvalidArgument(format!("rank {}: optimizer step: {e}", self.pg.rank())))?;
-        for u in &mut self.units {
+            .map_err(|e| CommError::InvalidArgument(format!("rank {}: optimizer step: {e}", self.z.pg.rank())))?;
+        for u in &mut self.z.units {
             let _ = u.grad_shard.zero_();
         }
-        if self.stage != Stage::Three {
+        if self.z.stage != Stage::Three {
             // Every rank updated its own shard: all-gather the updated parameters into the full buffers.
             let mut works = Vec::new();
-            for u in &self.units {
+            for u in &self.z.units {
                 // The output buffer contains the shard: gather from a copy. The full buffer stays
                 // in the unit (the parameters are views of it); nothing reads or writes them until
                 // every gather below has been waited on.
                 let input = u.shard.copy();
                 let full = u.full.as_ref().expect("stages 1-2 keep full parameters").shallow_clone();
-                works.push(self.pg.all_gather_async(full, input)?);
+                works.push(self.z.pg.all_gather_async(full, input)?);
             }
             for w in works {
                 drop(w.wait()?); // the gathered buffer is the unit's own `full`
@@ -374,7 +403,7 @@ impl DataParallel for Zero<'_> {
     }
 }
 
-impl Zero<'_> {
+impl Core<'_> {
     /// Wait for one gradient reduction; stages 2-3 add the averaged shard and free the full gradient.
     fn finish_reduction(&mut self, (u, w): (usize, Work<Tensor>), apply: bool) -> CommResult<()> {
         let t0 = Instant::now();
@@ -397,134 +426,141 @@ impl Zero<'_> {
         }
         Ok(())
     }
+}
 
+impl Zero<'_> {
     fn backward_inner(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
-        let n = self.model.num_stages();
-        let stage_uses = self.model.stage_uses();
         let t0 = Instant::now();
-        // ---- forward, stage by stage, each stage its own graph ----
-        let root = self.units.iter().position(|u| u.is_root);
-        if let Some(r) = root {
-            self.materialize(r)?;
-        }
-        let mut inputs: Vec<Tensor> = Vec::with_capacity(n);
-        let mut outputs: Vec<Tensor> = Vec::with_capacity(n);
-        for s in 0..n {
-            let unit = self.block_unit(s, &stage_uses);
-            if let Some(u) = unit {
-                self.materialize(u)?;
-            }
-            // Prefetch the next *other* unit as soon as this one is here, so that its all-gather
-            // overlaps all of this unit's blocks, not only the last.
-            let next = (s + 1..n).filter_map(|t| self.block_unit(t, &stage_uses)).find(|&v| Some(v) != unit);
-            if let Some(next) = next {
-                self.gather_start(next)?;
-            }
-            let xin = if s == 0 { Tensor::new() } else { outputs[s - 1].detach().set_requires_grad(true) };
-            // Only stage 3 frees parameters after forward; stages 1-2 keep them, and their graphs.
-            let recompute = unit.is_some() && self.stage == Stage::Three && self.reshard_after_forward;
-            let y = if recompute {
-                // Resharding after forward: keep no graph (its saved views would pin the gathered
-                // buffer), only the stage's input; backward recomputes the stage.
-                tch::no_grad(|| self.model.stage_forward(s, &xin, batch))
-            } else {
-                self.model.stage_forward(s, &xin, batch)
-            };
-            inputs.push(xin);
-            outputs.push(y);
-            // A unit of several blocks stays gathered until its last block has run.
-            if let (Some(u), true) = (unit, recompute) {
-                if self.block_unit(s + 1, &stage_uses) != Some(u) {
-                    self.release(u);
-                }
-            }
-        }
-        let loss = outputs[n - 1].double_value(&[]);
-        // ---- backward, last stage first ----
-        let sync = self.require_sync || self.stage != Stage::One;
-        let mut reductions: Vec<(usize, Work<Tensor>)> = Vec::new();
-        let mut g_next = Tensor::new();
-        for s in (0..n).rev() {
-            let unit = self.block_unit(s, &stage_uses);
-            if let Some(u) = unit {
-                self.materialize(u)?;
-            }
-            // Prefetch the previous *other* unit (backward runs the units in reverse).
-            let prev = (0..s).rev().filter_map(|t| self.block_unit(t, &stage_uses)).find(|&v| Some(v) != unit);
-            if let Some(prev) = prev {
-                self.gather_start(prev)?;
-            }
-            let mut out = outputs.pop().expect("one output per stage");
-            let input = inputs.pop().expect("one input per stage");
-            if unit.is_some() && self.stage == Stage::Three && self.reshard_after_forward {
-                out = self.model.stage_forward(s, &input, batch); // recompute with the re-gathered unit
-            }
-            let obj = if s == n - 1 { out * scale } else { (out * &g_next).sum(Kind::Float) };
-            let mut wrt: Vec<Tensor> = stage_uses[s].iter().map(|&i| self.params[i].shallow_clone()).collect();
-            if s > 0 {
-                wrt.push(input.shallow_clone());
-            }
-            let mut grads = Tensor::run_backward(&[obj], &wrt, false, false);
-            if s > 0 {
-                g_next = grads.pop().expect("input gradient");
-            }
-            for (&i, g) in stage_uses[s].iter().zip(&grads) {
-                let u = self.unit_of[i];
-                let j = self.units[u].params.iter().position(|&p| p == i).expect("param in its unit");
-                if self.units[u].grad_full.is_none() {
-                    self.units[u].grad_full = Some(self.units[u].layout.zeros());
-                    if self.stage != Stage::One {
-                        let b = 4 * self.units[u].layout.padded; // stage 1 keeps it: not transient
-                        self.track(b);
-                    }
-                }
-                let gf = self.units[u].grad_full.as_ref().unwrap();
-                let _ = self.units[u].layout.view(gf, j).g_add_(g);
-            }
-            drop(grads);
-            if let Some(u) = unit {
-                if s == 0 || self.block_unit(s - 1, &stage_uses) != Some(u) {
-                    self.release(u);
-                }
-            }
-            // Units whose gradients are now final: start their reduction.
-            if sync {
-                for u in 0..self.units.len() {
-                    if self.units[u].done_stage != s {
-                        continue;
-                    }
-                    let Some(gf) = self.units[u].grad_full.as_ref() else { continue };
-                    let out = Tensor::empty([self.units[u].layout.shard], (Kind::Float, tch::Device::Cpu));
-                    // (shard,) of grads averaged over dp. The unit keeps its full gradient (freed
-                    // or zeroed in finish_reduction, after the wait); the op reads it through this alias.
-                    let w = self.pg.reduce_scatter_async(out, gf.shallow_clone(), ReduceOp::Avg)?;
-                    reductions.push((u, w));
-                    // Keep at most two reductions in flight: finishing the older one frees its
-                    // unit's full gradient (stages 2-3), so gradients never pile up to 4Ψ.
-                    if reductions.len() > 2 {
-                        let r = reductions.remove(0);
-                        self.finish_reduction(r, true)?;
-                    }
-                }
-            }
-        }
-        if let Some(r) = root {
-            self.release(r);
-        }
-        self.stats.compute_s += t0.elapsed().as_secs_f64();
+        let z = &mut self.z;
+        z.sync = z.require_sync || z.stage != Stage::One;
+        let params: Vec<Tensor> = z.params.iter().map(|p| p.shallow_clone()).collect();
+        let policy = z.checkpointing;
+        let loss = forward_backward(&*self.model, &params, batch, scale, policy, z)?;
+        self.z.stats.compute_s += t0.elapsed().as_secs_f64();
         // ---- wait for the reductions still in flight ----
         let mut first_err: Option<CommError> = None;
-        for r in reductions {
-            if let Err(e) = self.finish_reduction(r, first_err.is_none()) {
+        for r in std::mem::take(&mut self.z.reductions) {
+            if let Err(e) = self.z.finish_reduction(r, first_err.is_none()) {
                 first_err.get_or_insert(e);
             }
         }
         if let Some(e) = first_err {
             return Err(e);
         }
-        if sync {
-            self.stats.syncs += 1;
+        if self.z.sync {
+            self.z.stats.syncs += 1;
         }
         Ok(loss)
+    }
+}
+
+/// ZeRO as stage hooks: gather (stage 3) before a unit's forward and backward, release after;
+/// collect each stage's gradients into its unit's flat buffer; reduce-scatter a unit as soon as
+/// its last stage's backward is done.
+impl StageHooks for Core<'_> {
+    fn begin(&mut self) -> CommResult<()> {
+        if let Some(r) = self.units.iter().position(|u| u.is_root) {
+            self.materialize(r)?; // the root stays gathered for the whole step, as FSDP's root
+        }
+        Ok(())
+    }
+
+    fn must_recompute(&self, s: usize) -> bool {
+        // Resharding after forward: keep no graph (its saved views would pin the gathered
+        // buffer), only the stage's input; backward recomputes the stage.
+        self.stage == Stage::Three && self.reshard_after_forward && self.block_unit(s).is_some()
+    }
+
+    fn pre_forward(&mut self, s: usize) -> CommResult<()> {
+        let unit = self.block_unit(s);
+        if let Some(u) = unit {
+            self.materialize(u)?;
+        }
+        // Prefetch the next *other* unit as soon as this one is here, so that its all-gather
+        // overlaps all of this unit's blocks, not only the last.
+        let n = self.stage_uses.len();
+        if let Some(next) = (s + 1..n).filter_map(|t| self.block_unit(t)).find(|&v| Some(v) != unit) {
+            self.gather_start(next)?;
+        }
+        Ok(())
+    }
+
+    fn post_forward(&mut self, s: usize, _recomputed: bool) -> CommResult<()> {
+        // A unit of several blocks stays gathered until its last block has run.
+        if let (Some(u), true) = (self.block_unit(s), self.must_recompute(s)) {
+            if self.block_unit(s + 1) != Some(u) {
+                self.release(u);
+            }
+        }
+        Ok(())
+    }
+
+    fn pre_backward(&mut self, s: usize) -> CommResult<()> {
+        let unit = self.block_unit(s);
+        if let Some(u) = unit {
+            self.materialize(u)?;
+        }
+        // Prefetch the previous *other* unit (backward runs the units in reverse).
+        if let Some(prev) = (0..s).rev().filter_map(|t| self.block_unit(t)).find(|&v| Some(v) != unit) {
+            self.gather_start(prev)?;
+        }
+        Ok(())
+    }
+
+    fn grads(&mut self, _s: usize, uses: &[usize], grads: Vec<Tensor>) -> CommResult<()> {
+        for (&i, g) in uses.iter().zip(&grads) {
+            if !g.defined() {
+                continue;
+            }
+            let u = self.unit_of[i];
+            let j = self.units[u].params.iter().position(|&p| p == i).expect("param in its unit");
+            if self.units[u].grad_full.is_none() {
+                self.units[u].grad_full = Some(self.units[u].layout.zeros());
+                if self.stage != Stage::One {
+                    let b = 4 * self.units[u].layout.padded; // stage 1 keeps it: not transient
+                    self.track(b);
+                }
+            }
+            let gf = self.units[u].grad_full.as_ref().unwrap();
+            let _ = self.units[u].layout.view(gf, j).g_add_(g);
+        }
+        Ok(())
+    }
+
+    fn post_backward(&mut self, s: usize) -> CommResult<()> {
+        if let Some(u) = self.block_unit(s) {
+            if s == 0 || self.block_unit(s - 1) != Some(u) {
+                self.release(u);
+            }
+        }
+        if !self.sync {
+            return Ok(());
+        }
+        // Units whose gradients are now final: start their reduction.
+        for u in 0..self.units.len() {
+            if self.units[u].done_stage != s {
+                continue;
+            }
+            let Some(gf) = self.units[u].grad_full.as_ref() else { continue };
+            let out = Tensor::empty([self.units[u].layout.shard], (Kind::Float, tch::Device::Cpu));
+            // (shard,) of grads averaged over dp. The unit keeps its full gradient (freed or
+            // zeroed in finish_reduction, after the wait); the op reads it through this alias.
+            let w = self.pg.reduce_scatter_async(out, gf.shallow_clone(), ReduceOp::Avg)?;
+            self.reductions.push((u, w));
+            // Keep at most two reductions in flight: finishing the older one frees its unit's
+            // full gradient (stages 2-3), so gradients never pile up to 4Ψ.
+            if self.reductions.len() > 2 {
+                let r = self.reductions.remove(0);
+                self.finish_reduction(r, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn end(&mut self) -> CommResult<()> {
+        if let Some(r) = self.units.iter().position(|u| u.is_root) {
+            self.release(r);
+        }
+        Ok(())
     }
 }
