@@ -137,6 +137,21 @@ WRONG = [
     ("07", 4, "the updated parameters never all-gathered",
      [("    all_gather_params(pg, flat, &shard)\n}", "    let _ = shard;\n    Ok(())\n}")],
      "exactly one reduce_scatter"),
+    ("09", 1, "a recomputed stage still builds its graph",
+     [("tch::no_grad(|| model.stage_forward(s, &input, batch))", "model.stage_forward(s, &input, batch)")],
+     "keeps only its input"),
+    ("09", 1, "the previous output passed on without detaching",
+     [("Some((_, prev)) => prev.detach().set_requires_grad(true),", "Some((_, prev)) => prev.shallow_clone(),")],
+     "leaf"),
+    ("09", 2, "the tied embedding's gradient overwritten, not added",
+     [("let _ = params[i].grad().g_add_(g);", "let _ = params[i].grad().copy_(g);")],
+     "wte"),
+    ("09", 2, "the loss not scaled",
+     [("let obj = if s == n - 1 { out * scale }", "let obj = if s == n - 1 { out * 1.0 }")],
+     "scale 0.25"),
+    ("09", 3, "the most recomputes instead of the fewest",
+     [("(2..=layers).rev().find(", "(2..=layers).find(")],
+     "every:7"),
 ]
 
 

@@ -241,6 +241,9 @@ pub struct OneRun {
     pub bucket_cap_bytes: usize,
     /// libtorch intra-op threads per rank.
     pub threads: Option<i32>,
+    /// Activation checkpointing (lesson 09).
+    #[serde(default)]
+    pub checkpointing: crate::stages::Checkpointing,
 }
 
 const RUN_ONE_FLAG: &str = "--run-one";
@@ -256,6 +259,7 @@ pub fn run_one_if_asked() {
         let r: OneRun = serde_json::from_str(args.get(2).map(String::as_str).unwrap_or(""))?;
         let mut s = scaling(r.strategy, r.world_size, r.backend, r.variant, r.bucket_cap_bytes);
         s.threads_per_worker = r.threads;
+        s.activation_checkpointing = r.checkpointing;
         let out = r.job.fit(s, false, false)?;
         println!("{}", serde_json::to_string(&out)?);
         Ok(())
@@ -272,9 +276,18 @@ pub fn run_one_if_asked() {
 /// Run `r` in a fresh process of the current executable (whose `main` calls
 /// [`run_one_if_asked`]) and return rank 0's summary.
 pub fn run_isolated(r: &OneRun) -> anyhow::Result<RunSummary> {
+    run_isolated_with_env(r, &[])
+}
+
+/// [`run_isolated`] with extra environment variables for the fresh process (e.g. the allocator's).
+pub fn run_isolated_with_env(r: &OneRun, env: &[(&str, &str)]) -> anyhow::Result<RunSummary> {
     use anyhow::Context;
     let exe = std::env::current_exe()?;
-    let out = std::process::Command::new(exe).arg(RUN_ONE_FLAG).arg(serde_json::to_string(r)?).output()?;
+    let out = std::process::Command::new(exe)
+        .arg(RUN_ONE_FLAG)
+        .arg(serde_json::to_string(r)?)
+        .envs(env.iter().copied())
+        .output()?;
     anyhow::ensure!(out.status.success(), "run failed: {}", String::from_utf8_lossy(&out.stderr).trim());
     let text = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(text.lines().last().unwrap_or_default()).context("parsing a run's summary")

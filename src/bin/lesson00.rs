@@ -93,6 +93,7 @@ fn main() -> anyhow::Result<()> {
             variant: Variant::Bucketed,
             bucket_cap_bytes: shardlab::ddp::DEFAULT_BUCKET_CAP_BYTES,
             threads: Some(1),
+            checkpointing: Checkpointing::None,
         })?;
         let name = format!("{strategy:?}").to_lowercase();
         let exposed_ms = r.exposed_comm_s / a.steps as f64 * 1e3;

@@ -73,6 +73,7 @@ fn main() -> anyhow::Result<()> {
         variant,
         bucket_cap_bytes: cap,
         threads: Some(1),
+        checkpointing: Checkpointing::None,
     };
     let sizes: Vec<usize> = cfg.param_shapes().iter().map(|(_, s)| 4 * s.iter().product::<i64>() as usize).collect();
     let mut rows = Vec::new();

@@ -51,6 +51,7 @@ fn main() -> anyhow::Result<()> {
         variant: Variant::Bucketed,
         bucket_cap_bytes: shardlab::ddp::DEFAULT_BUCKET_CAP_BYTES,
         threads: Some(1),
+        checkpointing: Checkpointing::None,
     };
     let runs: Vec<(Strategy, RunSummary)> = [Strategy::Ddp, Strategy::Fsdp]
         .into_iter()

@@ -82,6 +82,7 @@ fn main() -> anyhow::Result<()> {
             variant: Variant::Bucketed,
             bucket_cap_bytes: shardlab::ddp::DEFAULT_BUCKET_CAP_BYTES,
             threads: Some(1),
+            checkpointing: Checkpointing::None,
         })?;
         let m = r.memory;
         let rss = r.peak_rss_bytes.unwrap_or(0) as f64;

@@ -1,0 +1,218 @@
+//! Grader for lesson 09 (activation checkpointing).
+//!
+//! Written once, run twice (`shardlab::graders!`): `solution::exK_…` against the reference answers in
+//! `solutions/`, `exercise::exK_…` against your `lessons/09_activation_checkpointing/exercise.rs`.
+//! `cargo test` skips exercises you have not started; `cargo grade 09` grades them all strictly.
+//! A test named `exK_…` grades exercise K; its failure message says what went wrong.
+
+#[path = "../lessons/09_activation_checkpointing/exercise.rs"]
+mod exercise_code;
+#[path = "../solutions/09_activation_checkpointing.rs"]
+mod solution_code;
+
+use shardlab::data::{synthetic_corpus, DistributedSampler};
+use shardlab::model::{Batch, Gpt, GptConfig, Mlp, MlpConfig, Model};
+use shardlab::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+shardlab::graders! {
+    lesson: "09", exercise_file: "lessons/09_activation_checkpointing/exercise.rs";
+
+    /// A model that counts its stage forwards and records whether each output carries a graph.
+    struct Watched<M: Model> {
+        inner: M,
+        calls: Vec<AtomicUsize>,
+        graphs: Mutex<Vec<(usize, bool)>>,
+    }
+
+    impl<M: Model> Watched<M> {
+        fn new(inner: M) -> Self {
+            let n = inner.num_stages();
+            Watched { inner, calls: (0..n).map(|_| AtomicUsize::new(0)).collect(), graphs: Mutex::new(Vec::new()) }
+        }
+        fn calls(&self) -> Vec<usize> {
+            self.calls.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+        }
+    }
+
+    impl<M: Model> Model for Watched<M> {
+        fn named_parameters(&self) -> Vec<(String, Tensor)> {
+            self.inner.named_parameters()
+        }
+        fn num_stages(&self) -> usize {
+            self.inner.num_stages()
+        }
+        fn stage_forward(&self, s: usize, x: &Tensor, batch: &Batch) -> Tensor {
+            self.calls[s].fetch_add(1, Ordering::Relaxed);
+            let y = self.inner.stage_forward(s, x, batch);
+            self.graphs.lock().unwrap().push((s, y.requires_grad()));
+            y
+        }
+        fn param_stages(&self) -> Vec<usize> {
+            self.inner.param_stages()
+        }
+        fn stage_uses(&self) -> Vec<Vec<usize>> {
+            self.inner.stage_uses()
+        }
+        fn var_store(&self) -> &tch::nn::VarStore {
+            self.inner.var_store()
+        }
+    }
+
+    /// A 4-block GPT: stages 0 (embeddings), 1–4 (blocks), 5 (head + loss; it also uses the tied wte).
+    fn gpt() -> Gpt {
+        Gpt::new(GptConfig { vocab_size: 16, block_size: 16, n_layer: 4, n_head: 2, n_embd: 32 }, 1).unwrap()
+    }
+
+    fn batch() -> Batch {
+        DistributedSampler::new(16, 4, 0, 1, 3).unwrap().batch(&synthetic_corpus(4000, 7), 0)
+    }
+
+    fn mask(policy: Checkpointing, n: usize) -> Vec<bool> {
+        (0..n).map(|s| policy.recomputes(s, n)).collect()
+    }
+
+    /// The grader's own checkpointed forward (exercise 1's contract), so that exercise 2 is graded
+    /// on its own.
+    fn forward_for_ex2(model: &dyn Model, batch: &Batch, recompute: &[bool]) -> Vec<(Tensor, Tensor)> {
+        let mut kept: Vec<(Tensor, Tensor)> = Vec::new();
+        for s in 0..model.num_stages() {
+            let input = kept.last().map_or(Tensor::new(), |(_, y)| y.detach().set_requires_grad(true));
+            let output = if recompute[s] {
+                tch::no_grad(|| model.stage_forward(s, &input, batch))
+            } else {
+                model.stage_forward(s, &input, batch)
+            };
+            kept.push((input, output));
+        }
+        kept
+    }
+
+    /// Every parameter's gradient as raw f32 bits.
+    fn grad_bits(m: &dyn Model) -> Vec<Vec<u32>> {
+        m.parameters()
+            .iter()
+            .map(|p| {
+                let g = p.grad();
+                assert!(g.defined(), "a parameter has no gradient: every parameter of this model is used");
+                Vec::<f32>::try_from(&g.reshape([-1])).unwrap().iter().map(|x| x.to_bits()).collect()
+            })
+            .collect()
+    }
+
+    /// The library's stage runner (no recompute), the gradients bitwise.
+    fn runner_grads(m: &dyn Model, b: &Batch, scale: f64) -> Vec<Vec<u32>> {
+        let params = m.parameters();
+        let mut hooks = shardlab::stages::AccumulateGrads::new(&params, |_| Ok(()));
+        shardlab::stages::forward_backward(m, &params, b, scale, Checkpointing::None, &mut hooks).unwrap();
+        grad_bits(m)
+    }
+
+    #[test]
+    fn ex1_forward_keeps_a_graph_only_where_asked() {
+        let n = 6;
+        for policy in [Checkpointing::None, Checkpointing::Full, Checkpointing::Every(2)] {
+            let m = Watched::new(gpt());
+            let rec = mask(policy, n);
+            let kept = checkpointed_forward(&m, &batch(), &rec);
+            assert_eq!(kept.len(), n, "{policy}: one (input, output) per stage");
+            assert_eq!(m.calls(), vec![1; n], "{policy}: each stage's forward runs once");
+            assert!(!kept[0].0.defined(), "stage 0's input is an undefined Tensor::new() (it reads the batch)");
+            for s in 0..n {
+                let (input, output) = &kept[s];
+                assert_eq!(
+                    output.requires_grad(),
+                    !rec[s],
+                    "{policy}: stage {s}'s output {} a graph — {}",
+                    if output.requires_grad() { "carries" } else { "carries no" },
+                    if rec[s] { "a recomputed stage runs under tch::no_grad and keeps only its input" } else { "a stage that is not recomputed keeps its graph" }
+                );
+                if s > 0 {
+                    assert!(input.requires_grad(), "{policy}: stage {s}'s input must require grad (its own leaf)");
+                    assert!(
+                        input.equal(&kept[s - 1].1.detach()),
+                        "{policy}: stage {s}'s input must be stage {}'s output",
+                        s - 1
+                    );
+                }
+            }
+            let want = m.inner.loss(&batch()).double_value(&[]);
+            let got = kept[n - 1].1.double_value(&[]);
+            assert!((got - want).abs() < 1e-6, "{policy}: the last output is the loss {want}, got {got}");
+        }
+        // Each stage's graph must end at its input: a leaf, detached from the previous stage's graph.
+        let m = gpt();
+        let kept = checkpointed_forward(&m, &batch(), &[false; 6]);
+        for s in 1..6 {
+            assert!(kept[s].0.is_leaf(), "stage {s}'s input must be a leaf: detach the previous output");
+        }
+        let wpe = m.parameters()[1].shallow_clone(); // used by stage 0 only
+        let g = Tensor::run_backward(&[kept[2].1.sum(Kind::Float)], &[kept[2].0.shallow_clone(), wpe], false, false);
+        assert!(g[0].defined(), "stage 2's output must depend on its own input leaf");
+        assert!(!g[1].defined(), "stage 2's graph must not reach the embeddings: detach the input");
+    }
+
+    #[test]
+    fn ex2_gradients_are_bitwise_those_without_checkpointing() {
+        let n = 6;
+        for policy in [Checkpointing::None, Checkpointing::Full, Checkpointing::Every(2), Checkpointing::Every(3)] {
+            let reference = gpt();
+            let want = runner_grads(&reference, &batch(), 0.25);
+            let m = Watched::new(gpt());
+            let rec = mask(policy, n);
+            let kept = forward_for_ex2(&m, &batch(), &rec);
+            let loss = checkpointed_backward(&m, &batch(), &rec, kept, 0.25);
+            let plain = m.inner.loss(&batch()).double_value(&[]);
+            assert!((loss - plain).abs() < 1e-6, "{policy}: returns the unscaled loss {plain}, got {loss}");
+            let calls = m.calls();
+            for s in 0..n {
+                let w = if rec[s] { 2 } else { 1 };
+                assert_eq!(
+                    calls[s], w,
+                    "{policy}: stage {s} ran forward {} time(s), expected {w} (a recomputed stage runs once more, \
+                     with a graph, just before its backward; the others never again)",
+                    calls[s]
+                );
+            }
+            let got = grad_bits(&m.inner);
+            let names: Vec<String> = m.inner.named_parameters().into_iter().map(|(n, _)| n).collect();
+            for ((g, w), name) in got.iter().zip(&want).zip(&names) {
+                assert!(
+                    g == w,
+                    "{policy}: the gradient of {name} differs from the stage runner's without checkpointing \
+                     (scale 0.25; the tied wte adds the head's and the embedding's contributions)"
+                );
+            }
+        }
+        // Another model: an MLP's stages, scale 1.
+        let mlp = || Mlp::new(MlpConfig { sizes: vec![8, 16, 16, 4] }, 3).unwrap();
+        let b = Batch {
+            x: Tensor::randn([5, 8], (Kind::Float, Device::Cpu)),
+            y: Tensor::randn([5, 4], (Kind::Float, Device::Cpu)),
+        };
+        let want = runner_grads(&mlp(), &b, 1.0);
+        let m = mlp();
+        let rec: Vec<bool> = (0..m.num_stages()).map(|s| s == 1).collect();
+        let kept = forward_for_ex2(&m, &b, &rec);
+        checkpointed_backward(&m, &b, &rec, kept, 1.0);
+        assert!(grad_bits(&m) == want, "MLP, middle stage recomputed: gradients differ from the runner's");
+    }
+
+    #[test]
+    fn ex3_the_policy_with_fewest_recomputes_that_fits() {
+        // 8 blocks of 100 bytes, inputs 10: none needs 800; every:k keeps
+        // (8 − r)·100 + r·10 + 100 with r = ⌈8/k⌉ recomputed: k=8 → r=1, 810 (worse than none);
+        // k=4..=7 → r=2, 720; k=3 → r=3, 630; k=2 → r=4, 540; full → r=8, 180.
+        assert_eq!(policy_for_budget(8, 100, 10, 800), Some(Checkpointing::None), "800 fits with no recompute");
+        assert_eq!(policy_for_budget(8, 100, 10, 799), Some(Checkpointing::Every(7)), "799: every:7 (720, two blocks recomputed; the largest such k)");
+        assert_eq!(policy_for_budget(8, 100, 10, 700), Some(Checkpointing::Every(3)), "700: every:3 (630)");
+        assert_eq!(policy_for_budget(8, 100, 10, 540), Some(Checkpointing::Every(2)), "540: every:2 exactly");
+        assert_eq!(policy_for_budget(8, 100, 10, 539), Some(Checkpointing::Full), "539: only full (180) fits");
+        assert_eq!(policy_for_budget(8, 100, 10, 180), Some(Checkpointing::Full), "180: full exactly");
+        assert_eq!(policy_for_budget(8, 100, 10, 179), None, "179: nothing fits");
+        // One block: recomputing it never helps (its input + its activations again = 110 > 100).
+        assert_eq!(policy_for_budget(1, 100, 10, 100), Some(Checkpointing::None), "one block, 100: no checkpointing");
+        assert_eq!(policy_for_budget(1, 100, 10, 99), None, "one block, 99: nothing fits");
+    }
+}
