@@ -13,7 +13,9 @@ What it is
            (flat little-endian uint16 ids, no header).
     train  tokens/s benchmark of AdamW training, one process ("single") or
            ``--world-size`` gloo processes with DistributedDataParallel ("ddp") or
-           FSDP2 (``fully_shard`` per block, then the root: "fsdp").
+           FSDP2 (``fully_shard`` per block, then the root: "fsdp");
+           ``--checkpointing none|full|every:K`` wraps blocks 0, K, 2K, ... in
+           ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)``.
 
 How to run (from the repository root)
     .venv/bin/python benches/torch_gpt.py init --out /tmp/gpt.safetensors
@@ -29,7 +31,8 @@ Output
     init  {"saved": path, "params": n}
     eval  {"eval_loss": x, "windows": n, "tokens": n*T}
     train {"impl": "pytorch", "strategy", "world_size", "params", "tokens_per_s",
-           "step_s_median", "final_loss", "threads"}
+           "step_s_median", "final_loss", "threads", "checkpointing",
+           "peak_rss_bytes"}
     ``train --verbose`` also prints one {"step", "loss", "step_s", "warmup"}
     line per step first.  tokens_per_s = B*T*N / median step time over the
     steps after the first ``--warmup``; for ddp each rank times its steps
@@ -58,6 +61,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 try:
     from safetensors.torch import load_file, save_file
@@ -122,6 +126,7 @@ class GPT(nn.Module):
     def __init__(self, n_layer, n_head, n_embd, block_size, vocab_size):
         super().__init__()
         self.block_size, self.vocab_size = block_size, vocab_size
+        self.checkpoint_every = 0  # 0: no checkpointing; K: checkpoint blocks 0, K, 2K, ...
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd),
             wpe=nn.Embedding(block_size, n_embd),
@@ -147,8 +152,12 @@ class GPT(nn.Module):
         assert T <= self.block_size, f"sequence length {T} > block size {self.block_size}"
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
+        for i, block in enumerate(self.transformer.h):
+            if self.checkpoint_every and i % self.checkpoint_every == 0:
+                # Activation checkpointing: keep only the block's input, recompute it in backward.
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
@@ -251,11 +260,32 @@ def wrap_fsdp2(model: nn.Module) -> nn.Module:
     return model
 
 
+def parse_checkpointing(s: str) -> int:
+    """none -> 0, full -> 1, every:K -> K (shardlab's --activation-checkpointing values)."""
+    if s == "none":
+        return 0
+    if s == "full":
+        return 1
+    if s.startswith("every:") and s[6:].isdigit() and int(s[6:]) >= 1:
+        return int(s[6:])
+    sys.exit(f"error: --checkpointing is none, full or every:K, not {s!r}")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM), as shardlab's bench::peak_rss_bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     torch.set_num_threads(args.threads)
     data = train_data(args)
     torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's)
     model = build_model(args)
+    model.checkpoint_every = parse_checkpointing(args.checkpointing)
     params = num_params(model)
     model.train()
     if ddp and args.strategy == "fsdp":
@@ -290,7 +320,8 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     return {
         "impl": "pytorch", "strategy": args.strategy, "world_size": world_size, "params": params,
         "tokens_per_s": B * T * world_size / median, "step_s_median": median,
-        "final_loss": final_loss, "threads": args.threads,
+        "final_loss": final_loss, "threads": args.threads, "checkpointing": args.checkpointing,
+        "peak_rss_bytes": peak_rss_bytes(),
     }
 
 
@@ -359,6 +390,8 @@ def parse_args(argv=None):
     t.add_argument("--random-tokens", type=int, default=1 << 20, help="size of the random corpus")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--verbose", action="store_true", help="one JSON line per step")
+    t.add_argument("--checkpointing", default="none",
+                   help="activation checkpointing: none, full or every:K (torch.utils.checkpoint per block)")
     t.set_defaults(func=cmd_train)
     return p.parse_args(argv)
 

@@ -74,6 +74,11 @@ impl Decay {
 /// `grads[i]` at learning rate `lr`; a slot whose gradient is undefined is skipped, as PyTorch
 /// skips a parameter whose `.grad` is None. The slot list must be the same at every step.
 pub trait Optimizer {
+    /// Whether `step` would accept these slots (call it before a collective commits the ranks to
+    /// stepping: a refusal on one rank must become an error on all).
+    fn check(&self, params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(), String> {
+        check_slots(params, grads, decay)
+    }
     fn step(&mut self, lr: f64, params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(), String>;
     /// Bytes of optimizer state held.
     fn state_bytes(&self) -> u64;
@@ -156,14 +161,27 @@ fn decay_(p: &Tensor, decay: &Decay, lr: f64, wd: f64) {
 }
 
 impl Optimizer for AdamW {
-    fn step(&mut self, lr: f64, params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(), String> {
+    fn check(&self, params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(), String> {
         check_slots(params, grads, decay)?;
+        if !self.m.is_empty()
+            && (self.m.len() != params.len() || self.m.iter().zip(params).any(|(m, p)| m.size() != p.size()))
+        {
+            return Err(format!(
+                "AdamW was built over {} other slots than these {} (sizes {:?} vs {:?})",
+                self.m.len(),
+                params.len(),
+                self.m.iter().map(|m| m.numel()).collect::<Vec<_>>(),
+                params.iter().map(|p| p.numel()).collect::<Vec<_>>()
+            ));
+        }
+        Ok(())
+    }
+    fn step(&mut self, lr: f64, params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(), String> {
+        self.check(params, grads, decay)?;
         if self.m.is_empty() {
             self.m = params.iter().map(|p| p.zeros_like()).collect();
             self.v = params.iter().map(|p| p.zeros_like()).collect();
             self.steps = vec![0; params.len()];
-        } else if self.m.len() != params.len() || self.m.iter().zip(params).any(|(m, p)| m.size() != p.size()) {
-            return Err(format!("AdamW was built over {} other slots than these {}", self.m.len(), params.len()));
         }
         let c = self.cfg;
         tch::no_grad(|| {
@@ -185,7 +203,7 @@ impl Optimizer for AdamW {
         Ok(())
     }
     fn state_bytes(&self) -> u64 {
-        self.m.iter().chain(&self.v).map(|t| t.numel() as u64 * 4).sum()
+        crate::memory::held_bytes(self.m.iter().chain(&self.v))
     }
 }
 
@@ -244,9 +262,10 @@ impl LrSchedule {
         if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.max_lr) {
             return Err(format!("min_lr must be in 0..={} (the peak rate), got {}", self.max_lr, self.min_lr));
         }
-        if self.decay_iters != 0 && self.decay_iters < self.warmup_iters {
+        if self.min_lr != self.max_lr && self.decay_iters <= self.warmup_iters {
             return Err(format!(
-                "the decay ends at step {} before the warm-up ({} steps) does",
+                "the cosine decay ends at step {}, not after the warm-up ({} steps): set lr_decay_iters above \
+                 warmup_iters, or min_lr = lr for no decay",
                 self.decay_iters, self.warmup_iters
             ));
         }
@@ -270,21 +289,27 @@ impl StepConfig {
 }
 
 /// PyTorch's `clip_grad_norm_` factor: gradients are multiplied by `max_norm / (norm + 1e-6)`
-/// when that is below 1, and left alone otherwise.
+/// when that is below 1, and left alone otherwise. A non-finite `norm` is refused before this
+/// (see [`DataParallel::step`](crate::ddp::DataParallel::step)).
 pub fn clip_coef(norm: f64, max_norm: f64) -> f64 {
     (max_norm / (norm + 1e-6)).min(1.0)
 }
 
-/// The L2 norm over all `grads` (undefined ones skipped), in f64.
+/// The L2 norm over all `grads` (undefined ones skipped) as PyTorch's `clip_grad_norm_` computes
+/// it: each tensor's norm in its own dtype, then the norm of those norms. 0 for no gradients.
 pub fn global_norm(grads: &[Tensor]) -> f64 {
-    sum_of_squares(grads).sqrt()
+    let norms: Vec<Tensor> = grads.iter().filter(|g| g.defined() && g.numel() > 0).map(|g| g.norm()).collect();
+    if norms.is_empty() {
+        return 0.0;
+    }
+    Tensor::stack(&norms, 0).norm().double_value(&[])
 }
 
-/// Σ g² over all `grads`, in f64 (a sharded strategy all-reduces this before the square root).
-pub fn sum_of_squares(grads: &[Tensor]) -> f64 {
-    grads
-        .iter()
-        .filter(|g| g.defined())
-        .map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]))
-        .sum()
+/// Refuse a maximum norm that cannot be meant: it must be positive and finite (a negative one
+/// would flip every gradient, zero would erase them, NaN would turn clipping off).
+pub fn check_grad_clip(max_norm: Option<f64>) -> Result<(), String> {
+    match max_norm {
+        Some(c) if !(c.is_finite() && c > 0.0) => Err(format!("the gradient clip must be a positive norm, got {c}")),
+        _ => Ok(()),
+    }
 }

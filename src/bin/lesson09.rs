@@ -45,6 +45,10 @@ struct Args {
     /// Comma-separated: none, full, every:K.
     #[arg(long, default_value = "none,every:2,full")]
     policies: String,
+    /// Also run PyTorch 2.11 (`benches/torch_gpt.py train --checkpointing …`: torch.utils.checkpoint
+    /// per block, use_reentrant=False) on the same model, data, threads and measurement.
+    #[arg(long)]
+    compare_pytorch: bool,
     #[arg(long)]
     json: bool,
 }
@@ -75,94 +79,111 @@ fn main() -> anyhow::Result<()> {
     let cfg =
         GptConfig { vocab_size: 64, block_size: a.block_size, n_layer: a.n_layer, n_head: a.n_head, n_embd: a.n_embd };
     cfg.validate()?;
+    let corpus = job::TempCorpus::new("lesson09", 200_000)?;
+    // Both implementations get every core of this machine (one process, no ranks to share with).
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     // Memory runs: every allocation of 64 KiB or more gets its own mapping, returned to the kernel
     // when freed, so the peak RSS is the peak of live bytes. With shardlab's default (freed memory
     // kept for reuse, see launch::keep_freed_memory) the heap also holds the holes that tensors
     // freed between long-lived ones leave behind: more RSS than live bytes (fragmentation), faster
     // steps. Timing runs use the default.
     const EXACT: [(&str, &str); 2] = [("SHARDLAB_MALLOC_DEFAULT", "1"), ("MALLOC_MMAP_THRESHOLD_", "65536")];
-    let run =
-        |model: GptConfig, batch: usize, policy: Checkpointing, env: &[(&str, &str)]| -> anyhow::Result<RunSummary> {
-            let job = GptJob {
-                model,
-                batch_size: batch,
-                accum: 1,
-                steps: a.steps,
-                warmup: 1,
-                optim: AdamWConfig::default(),
-                lr_schedule: None,
-                grad_clip: None,
-                data: DataSource::Synthetic { tokens: 200_000, seed: 1 },
-                seed: 1,
-                init: None,
-                save: None,
+    let job = |model: GptConfig, batch: usize, timing: bool| GptJob {
+        model,
+        batch_size: batch,
+        accum: 1,
+        steps: if timing { a.timing_steps } else { a.steps },
+        warmup: if timing { 2 } else { 1 },
+        optim: AdamWConfig::default(),
+        lr_schedule: None,
+        grad_clip: None,
+        data: DataSource::File(corpus.path.clone()),
+        seed: 1,
+        init: None,
+        save: None,
+    };
+    // One run: (peak RSS bytes, median step seconds, final loss), in a fresh process.
+    let run = |pytorch: bool, model: GptConfig, batch: usize, policy: Checkpointing, timing: bool| {
+        let env: &[(&str, &str)] = if timing { &[] } else { &EXACT };
+        let j = job(model, batch, timing);
+        if pytorch {
+            let opts = job::PyTorchOptions { threads, checkpointing: policy, env };
+            let r = job::pytorch_train_with(&j, "single", 1, &opts)?;
+            let f = |k: &str| r[k].as_f64().ok_or_else(|| anyhow::anyhow!("no {k} in PyTorch's summary"));
+            anyhow::Ok((f("peak_rss_bytes")?, f("step_s_median")?, f("final_loss")?))
+        } else {
+            let one = OneRun {
+                job: j,
+                strategy: Strategy::Single,
+                world_size: 1,
+                backend: Backend::Local,
+                variant: Variant::Bucketed,
+                bucket_cap_bytes: 0,
+                threads: Some(threads as i32),
+                checkpointing: policy,
             };
-            job::run_isolated_with_env(
-                &OneRun {
-                    job,
-                    strategy: Strategy::Single,
-                    world_size: 1,
-                    backend: Backend::Local,
-                    variant: Variant::Bucketed,
-                    bucket_cap_bytes: 0,
-                    threads: None,
-                    checkpointing: policy,
-                },
-                env,
-            )
-        };
+            let r: RunSummary = job::run_isolated_with_env(&one, env)?;
+            anyhow::Ok((r.peak_rss_bytes.unwrap_or(0) as f64, r.median_step_s, r.final_loss))
+        }
+    };
     let b = a.batch_size as f64;
     let l = a.n_layer as f64;
     let deeper = GptConfig { n_layer: 2 * a.n_layer, ..cfg };
+    let imps: &[bool] = if a.compare_pytorch { &[false, true] } else { &[false] };
     let mut rows = Vec::new();
-    let mut base_s = None;
-    for &policy in &policies {
-        let rss = |c: GptConfig, batch: usize| -> anyhow::Result<(f64, RunSummary)> {
-            let r = run(c, batch, policy, &EXACT)?;
-            Ok((r.peak_rss_bytes.unwrap_or(0) as f64, r))
-        };
-        let (p_b, _) = rss(cfg, a.batch_size)?;
-        let (p_2b, exact) = rss(cfg, 2 * a.batch_size)?;
-        let (q_b, _) = rss(deeper, a.batch_size)?;
-        let (q_2b, _) = rss(deeper, 2 * a.batch_size)?;
-        let total = p_2b - p_b; // activations of B sequences, L blocks
-        let per_block = ((q_2b - q_b) - total) / l; // what one more block keeps
-        let (layer, input, _) = model_bytes(&cfg, b, Checkpointing::None);
-        let n = cfg.n_layer as usize + 2;
-        let recomputed = (0..n).filter(|&st| policy.recomputes(st, n)).count() as f64;
-        let model_block = ((l - recomputed) * layer + recomputed * input) / l;
-        let r = run(cfg, 2 * a.batch_size, policy, &[])?; // timing, default allocator
-        let step_s = r.median_step_s;
-        let base = *base_s.get_or_insert(step_s);
-        let row = json!({
-            "policy": policy.to_string(),
-            "activation_bytes": total,
-            "per_block_bytes_measured": per_block,
-            "per_block_bytes_model": model_block,
-            "measured_over_model": per_block / model_block,
-            "step_s": step_s,
-            "time_over_first": step_s / base,
-            "peak_rss_default_allocator": r.peak_rss_bytes,
-            "peak_rss_exact_allocator": exact.peak_rss_bytes,
-            "final_loss": r.final_loss,
-        });
-        if a.json {
-            println!("{row}");
+    for &pytorch in imps {
+        let name = if pytorch { "pytorch" } else { "shardlab" };
+        let mut base_s = None;
+        for &policy in &policies {
+            let peak = |c: GptConfig, batch: usize| run(pytorch, c, batch, policy, false).map(|r| r.0);
+            let total = peak(cfg, 2 * a.batch_size)? - peak(cfg, a.batch_size)?; // activations of B sequences, L blocks
+            let total_2l = peak(deeper, 2 * a.batch_size)? - peak(deeper, a.batch_size)?;
+            let per_block = (total_2l - total) / l; // what one more block keeps
+            let (layer, input, _) = model_bytes(&cfg, b, Checkpointing::None);
+            let n = cfg.n_layer as usize + 2;
+            let recomputed = (0..n).filter(|&st| policy.recomputes(st, n)).count() as f64;
+            let model_block = ((l - recomputed) * layer + recomputed * input) / l;
+            let (_, step_s, loss) = run(pytorch, cfg, 2 * a.batch_size, policy, true)?; // default allocator
+            let base = *base_s.get_or_insert(step_s);
+            let row = json!({
+                "impl": name,
+                "policy": policy.to_string(),
+                "activation_bytes": total,
+                "per_block_bytes_measured": per_block,
+                "per_block_bytes_model": model_block,
+                "measured_over_model": per_block / model_block,
+                "step_s": step_s,
+                "time_over_none": step_s / base,
+                "final_loss": loss,
+            });
+            if a.json {
+                println!("{row}");
+            }
+            rows.push((name, policy, total, per_block, model_block, step_s, base, loss));
         }
-        rows.push((policy, total, per_block, model_block, step_s, base, r.final_loss));
     }
     if !a.json {
         println!(
-            "GPT {} blocks, h = {}, a = {}, s = {}, B = {} sequences; peak RSS of fresh processes at B and 2B, L and 2L blocks",
+            "GPT {} blocks, h = {}, a = {}, s = {}, B = {} sequences, {threads} threads; activations from the peak RSS of \
+             fresh processes at B and 2B sequences, L and 2L blocks",
             cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, a.batch_size
         );
         println!(
-            "{:<9} {:>16} {:>17} {:>14} {:>6} {:>11} {:>9} {:>11}",
-            "policy", "activations MB", "per block MB", "model MB", "ratio", "step (2B) s", "vs first", "final loss"
+            "{:<9} {:<9} {:>15} {:>13} {:>9} {:>6} {:>12} {:>9} {:>11}",
+            "impl",
+            "policy",
+            "activations MB",
+            "per block MB",
+            "model MB",
+            "ratio",
+            "step (2B) s",
+            "vs first",
+            "final loss"
         );
-        for (policy, total, per_block, model, step_s, base, loss) in rows {
+        for (name, policy, total, per_block, model, step_s, base, loss) in rows {
             println!(
-                "{:<9} {:>16.1} {:>17.2} {:>14.2} {:>6.2} {:>11.3} {:>8.2}× {:>11.4}",
+                "{:<9} {:<9} {:>15.1} {:>13.2} {:>9.2} {:>6.2} {:>12.3} {:>8.2}× {:>11.4}",
+                name,
                 policy.to_string(),
                 total / 1e6,
                 per_block / 1e6,
@@ -173,7 +194,7 @@ fn main() -> anyhow::Result<()> {
                 loss
             );
         }
-        println!("(the final losses agree: recomputing changes no gradient)");
+        println!("(within an implementation the final losses agree: recomputing changes no gradient)");
     }
     Ok(())
 }

@@ -43,6 +43,10 @@ pub enum CommError {
     /// An operating-system level I/O failure.
     #[error("I/O error: {0}")]
     Io(String),
+    /// Training cannot go on: a non-finite gradient norm, an optimizer that refuses its slots
+    /// (every rank gets this, and no update was applied).
+    #[error("training step refused: {0}")]
+    Step(String),
 }
 
 impl CommError {

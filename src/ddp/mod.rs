@@ -105,31 +105,33 @@ pub trait DataParallel {
             peak_transient: 0,
         }
     }
-    /// The global L2 norm of the (synchronised) gradients, on every rank, and if `max_norm` is
-    /// given, the gradients scaled down so that it is at most `max_norm` (PyTorch's
-    /// `clip_grad_norm_`). Replicated strategies hold the averaged gradients whole, so the local
-    /// norm is the global one; sharded strategies all-reduce the sum of squares of their shards.
-    fn clip_grad_norm(&mut self, max_norm: Option<f64>) -> CommResult<f64> {
-        let grads: Vec<tch::Tensor> = self.model().parameters().iter().map(|p| p.grad()).collect();
-        let norm = optim::global_norm(&grads);
-        if let Some(max) = max_norm {
-            scale_grads(&grads, optim::clip_coef(norm, max));
-        }
-        Ok(norm)
-    }
-    /// The optimizer step after the (synchronised) backward, at learning rate `lr`: `opt` updates
-    /// every parameter from its gradient (replicated strategies) or every unit's shard from its
-    /// gradient shard (ZeRO); then the gradients are zeroed for the next step.
-    fn step(&mut self, opt: &mut dyn Optimizer, lr: f64) -> CommResult<()> {
+    /// The optimizer step after the (synchronised) backward: the global L2 norm of the gradients
+    /// (returned, the same on every rank), the gradients scaled down to `grad_clip` if set and the
+    /// norm is above it (PyTorch's `clip_grad_norm_`), then `opt` at learning rate `lr` on every
+    /// parameter (replicated strategies) or every unit's shard (ZeRO); then the gradients are
+    /// zeroed. Refused — an error on every rank, no weight changed — when the norm is not finite
+    /// (a NaN or an overflow in backward) or `opt` does not accept the slots.
+    ///
+    /// Replicated strategies hold the averaged gradients whole, so the local norm is the global
+    /// one; sharded strategies all-reduce the sum of squares of their shards.
+    fn step(&mut self, opt: &mut dyn Optimizer, lr: f64, grad_clip: Option<f64>) -> CommResult<f64> {
+        let rank = self.group().rank();
+        optim::check_grad_clip(grad_clip).map_err(|e| CommError::InvalidArgument(format!("rank {rank}: {e}")))?;
         let params = self.model().parameters();
         let grads: Vec<tch::Tensor> = params.iter().map(|p| p.grad()).collect();
         let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
+        opt.check(&params, &grads, &decay).map_err(|e| CommError::Step(format!("rank {rank}: the optimizer: {e}")))?;
+        let norm = optim::global_norm(&grads);
+        check_norm(norm, rank)?;
+        if let Some(max) = grad_clip {
+            scale_grads(&grads, optim::clip_coef(norm, max));
+        }
         opt.step(lr, &params, &grads, &decay)
-            .map_err(|e| CommError::InvalidArgument(format!("rank {}: optimizer step: {e}", self.group().rank())))?;
+            .map_err(|e| CommError::Step(format!("rank {rank}: the optimizer: {e}")))?;
         for g in grads.iter().filter(|g| g.defined()) {
             let _ = g.shallow_clone().detach_().zero_();
         }
-        Ok(())
+        Ok(norm)
     }
 
     /// Run `f` without gradient synchronisation (PyTorch's `with ddp.no_sync():`), on a concrete
@@ -167,6 +169,19 @@ pub fn micro_batches(rows: i64, accum: i64) -> Vec<(i64, i64)> {
     (0..accum).map(|i| (rows * i / accum, rows * (i + 1) / accum)).collect()
 }
 
+/// A non-finite global gradient norm stops the step (every rank computes the same norm, so every
+/// rank stops).
+pub fn check_norm(norm: f64, rank: usize) -> CommResult<()> {
+    if norm.is_finite() {
+        Ok(())
+    } else {
+        Err(CommError::Step(format!(
+            "rank {rank}: the global gradient norm is {norm} (a NaN or an overflow in forward or backward); \
+             the update was not applied"
+        )))
+    }
+}
+
 /// Multiply every defined gradient by `c` (no-op when `c` is 1 or more).
 pub fn scale_grads(grads: &[tch::Tensor], c: f64) {
     if c < 1.0 {
@@ -189,9 +204,8 @@ pub struct StepOutput {
 
 /// One optimizer step of data-parallel training on this rank's `batch`, cut into `accum`
 /// micro-batches: backward under `no_sync` for all but the last, each loss scaled by its share of
-/// the rows (so the accumulated gradient is that of the batch mean), the global gradient norm
-/// (clipped to `cfg.grad_clip` if set), then the optimizer step at `cfg.lr`
-/// ([`DataParallel::step`]).
+/// the rows (so the accumulated gradient is that of the batch mean), then the optimizer step at
+/// `cfg.lr` with the gradients clipped to `cfg.grad_clip` if set ([`DataParallel::step`]).
 pub fn train_step(
     dp: &mut dyn DataParallel,
     opt: &mut dyn Optimizer,
@@ -214,8 +228,7 @@ pub fn train_step(
         dp.set_require_sync(true);
         loss += r? * share;
     }
-    let grad_norm = dp.clip_grad_norm(cfg.grad_clip)?;
-    dp.step(opt, cfg.lr)?;
+    let grad_norm = dp.step(opt, cfg.lr, cfg.grad_clip)?;
     Ok(StepOutput { loss, grad_norm, lr: cfg.lr })
 }
 

@@ -104,6 +104,8 @@ struct Core<'a> {
     checkpointing: Checkpointing,
     /// This backward reduces gradients (stage 1 inside `no_sync` does not).
     sync: bool,
+    /// Why a step now would be wrong (the last backward was not synchronised, or failed).
+    step_blocked: Option<&'static str>,
     /// Reductions started by this backward, not yet waited for.
     reductions: Vec<(usize, Work<Tensor>)>,
 }
@@ -206,6 +208,7 @@ impl<'a> Zero<'a> {
                 reshard_after_forward: true,
                 checkpointing: Checkpointing::None,
                 sync: true,
+                step_blocked: None,
                 reductions: Vec::new(),
             },
         })
@@ -283,6 +286,28 @@ impl Core<'_> {
         self.track(-bytes);
     }
 
+    /// After a failed backward: nothing may stay in flight (wait for, and drop, every started
+    /// gather and reduction), no unit stays gathered, and the partial gradients are dropped — a
+    /// retry starts from clean buffers, and a step before it is refused.
+    fn reset_after_error(&mut self) {
+        let _ = self.wait_all();
+        for (_, w) in std::mem::take(&mut self.reductions) {
+            let _ = w.wait();
+        }
+        for u in 0..self.units.len() {
+            self.release(u);
+        }
+        for u in &mut self.units {
+            match (self.stage, u.grad_full.as_mut()) {
+                (Stage::One, Some(g)) => drop(g.zero_()),
+                _ => u.grad_full = None,
+            }
+            let _ = u.grad_shard.zero_();
+        }
+        self.transient = 0;
+        self.step_blocked = Some("the last backward failed; its partial gradients were dropped: run a backward again");
+    }
+
     /// The non-root unit of stage `s`, if any.
     fn block_unit(&self, s: usize) -> Option<usize> {
         self.stage_uses.get(s)?.iter().map(|&i| self.unit_of[i]).find(|&u| !self.units[u].is_root)
@@ -320,11 +345,7 @@ impl DataParallel for Zero<'_> {
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
         let r = self.backward_inner(batch, scale);
         if r.is_err() {
-            // Nothing may stay in flight: wait for (and drop) every started gather and reduction.
-            let _ = self.z.wait_all();
-            for (_, w) in std::mem::take(&mut self.z.reductions) {
-                let _ = w.wait();
-            }
+            self.z.reset_after_error();
         }
         r
     }
@@ -340,19 +361,6 @@ impl DataParallel for Zero<'_> {
             optim: opt.state_bytes(),
             peak_transient: self.z.peak_transient,
         }
-    }
-
-    /// The global norm over every rank's gradient shards: Σ g² of the own shards (padding is
-    /// zero), all-reduced (f64, one element), square root; then the shards scaled if clipping.
-    fn clip_grad_norm(&mut self, max_norm: Option<f64>) -> CommResult<f64> {
-        let shards: Vec<Tensor> = self.z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
-        let mut sq = Tensor::from_slice(&[optim::sum_of_squares(&shards)]);
-        self.z.pg.all_reduce(&mut sq, ReduceOp::Sum)?;
-        let norm = sq.double_value(&[0]).sqrt();
-        if let Some(max) = max_norm {
-            crate::ddp::scale_grads(&shards, optim::clip_coef(norm, max));
-        }
-        Ok(norm)
     }
 
     fn full_parameters(&self) -> CommResult<Vec<Tensor>> {
@@ -373,33 +381,76 @@ impl DataParallel for Zero<'_> {
         Ok(out.into_iter().map(|t| t.expect("every parameter is in a unit")).collect())
     }
 
-    /// `opt` steps every unit's shard (one slot per unit) from its averaged gradient shard; stages
-    /// 1–2 then all-gather the updated shards into every rank's full parameters.
-    fn step(&mut self, opt: &mut dyn Optimizer, lr: f64) -> CommResult<()> {
-        let params: Vec<Tensor> = self.z.units.iter().map(|u| u.shard.shallow_clone()).collect();
-        let grads: Vec<Tensor> = self.z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
-        let decay: Vec<Decay> = self.z.units.iter().map(|u| Decay::Mask(u.decay_mask.shallow_clone())).collect();
+    /// One all-reduce of two numbers decides the step on every rank together: Σ g² over the own
+    /// gradient shards (padding is zero; the global norm is its square root) and whether this
+    /// rank's optimizer refuses its slots. A refusal anywhere, or a non-finite norm, is an error on
+    /// every rank before any weight changes. Then the shards are clipped if asked, `opt` steps
+    /// every unit's shard (one slot per unit), and stages 1–2 all-gather the updated shards into
+    /// every rank's full parameters.
+    fn step(&mut self, opt: &mut dyn Optimizer, lr: f64, grad_clip: Option<f64>) -> CommResult<f64> {
+        let z = &mut self.z;
+        let rank = z.pg.rank();
+        optim::check_grad_clip(grad_clip).map_err(|e| CommError::InvalidArgument(format!("rank {rank}: {e}")))?;
+        if let Some(why) = z.step_blocked {
+            return Err(CommError::Step(format!("rank {rank}: {why}")));
+        }
+        let params: Vec<Tensor> = z.units.iter().map(|u| u.shard.shallow_clone()).collect();
+        let grads: Vec<Tensor> = z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
+        let decay: Vec<Decay> = z.units.iter().map(|u| Decay::Mask(u.decay_mask.shallow_clone())).collect();
+        let refused = opt.check(&params, &grads, &decay).err();
+        let local = optim::global_norm(&grads);
+        // (2,) f64, summed over dp: [Σ g², ranks refusing].
+        let mut agree = Tensor::from_slice(&[local * local, refused.is_some() as u8 as f64]);
+        z.pg.all_reduce(&mut agree, ReduceOp::Sum)?;
+        let (sq, refusing) = (agree.double_value(&[0]), agree.double_value(&[1]));
+        if let Some(e) = refused {
+            return Err(CommError::Step(format!("rank {rank}: the optimizer: {e}")));
+        }
+        if refusing > 0.0 {
+            return Err(CommError::Step(format!(
+                "rank {rank}: {refusing} rank(s) refused the step (their optimizer does not fit their shards)"
+            )));
+        }
+        let norm = sq.sqrt();
+        crate::ddp::check_norm(norm, rank)?;
+        if let Some(max) = grad_clip {
+            crate::ddp::scale_grads(&grads, optim::clip_coef(norm, max));
+        }
         opt.step(lr, &params, &grads, &decay)
-            .map_err(|e| CommError::InvalidArgument(format!("rank {}: optimizer step: {e}", self.z.pg.rank())))?;
-        for u in &mut self.z.units {
+            .map_err(|e| CommError::Step(format!("rank {rank}: the optimizer: {e}")))?;
+        for u in &mut z.units {
             let _ = u.grad_shard.zero_();
         }
-        if self.z.stage != Stage::Three {
+        if z.stage != Stage::Three {
             // Every rank updated its own shard: all-gather the updated parameters into the full buffers.
             let mut works = Vec::new();
-            for u in &self.z.units {
+            let mut first_err = None;
+            for u in &z.units {
                 // The output buffer contains the shard: gather from a copy. The full buffer stays
                 // in the unit (the parameters are views of it); nothing reads or writes them until
                 // every gather below has been waited on.
                 let input = u.shard.copy();
                 let full = u.full.as_ref().expect("stages 1-2 keep full parameters").shallow_clone();
-                works.push(self.z.pg.all_gather_async(full, input)?);
+                match z.pg.all_gather_async(full, input) {
+                    Ok(w) => works.push(w),
+                    Err(e) => {
+                        first_err = Some(e);
+                        break;
+                    }
+                }
             }
+            // Wait for every started gather, even after a failure: none may still write into the
+            // buffers the parameters view.
             for w in works {
-                drop(w.wait()?); // the gathered buffer is the unit's own `full`
+                if let Err(e) = w.wait() {
+                    first_err.get_or_insert(e);
+                }
+            }
+            if let Some(e) = first_err {
+                return Err(e);
             }
         }
-        Ok(())
+        Ok(norm)
     }
 }
 
@@ -449,6 +500,12 @@ impl Zero<'_> {
         }
         if self.z.sync {
             self.z.stats.syncs += 1;
+            self.z.step_blocked = None;
+        } else {
+            self.z.step_blocked = Some(
+                "the last backward ran without gradient synchronisation (no_sync): its gradients were never \
+                 reduced; finish with a synchronised backward before stepping",
+            );
         }
         Ok(loss)
     }
