@@ -244,6 +244,13 @@ pub struct OneRun {
     /// Activation checkpointing (lesson 09).
     #[serde(default)]
     pub checkpointing: crate::stages::Checkpointing,
+    /// ZeRO-3/FSDP: free each block's parameters after its forward (and recompute it in backward).
+    #[serde(default = "yes")]
+    pub reshard_after_forward: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 const RUN_ONE_FLAG: &str = "--run-one";
@@ -260,6 +267,7 @@ pub fn run_one_if_asked() {
         let mut s = scaling(r.strategy, r.world_size, r.backend, r.variant, r.bucket_cap_bytes);
         s.threads_per_worker = r.threads;
         s.activation_checkpointing = r.checkpointing;
+        s.reshard_after_forward = r.reshard_after_forward;
         let out = r.job.fit(s, false, false)?;
         println!("{}", serde_json::to_string(&out)?);
         Ok(())
@@ -309,11 +317,18 @@ pub struct PyTorchOptions<'a> {
     pub checkpointing: crate::stages::Checkpointing,
     /// Extra environment variables for the Python process (e.g. the allocator's).
     pub env: &'a [(&'a str, &'a str)],
+    /// fsdp: FSDP2's `reshard_after_forward` for the blocks (default true, as FSDP2's).
+    pub reshard_after_forward: bool,
 }
 
 impl Default for PyTorchOptions<'_> {
     fn default() -> Self {
-        PyTorchOptions { threads: 1, checkpointing: crate::stages::Checkpointing::None, env: &[] }
+        PyTorchOptions {
+            threads: 1,
+            checkpointing: crate::stages::Checkpointing::None,
+            env: &[],
+            reshard_after_forward: true,
+        }
     }
 }
 
@@ -348,6 +363,7 @@ pub fn pytorch_train_with(
         ])
         .arg("--data")
         .arg(data)
+        .args(if opts.reshard_after_forward { &[][..] } else { &["--no-reshard-after-forward"][..] })
         .envs(opts.env.iter().copied())
         .output()?;
     anyhow::ensure!(out.status.success(), "PyTorch run failed: {}", String::from_utf8_lossy(&out.stderr).trim());

@@ -144,11 +144,13 @@ mod tests {
 pub struct MemoryStats {
     /// Parameters kept between steps (full for DDP and stages 1–2, the shard for stage 3).
     pub params: u64,
-    /// Gradients kept for the optimizer step (full for DDP and stage 1, the shard for 2–3).
+    /// Gradients kept (full for DDP; for ZeRO stage 1 the full buffer, kept zeroed between steps,
+    /// plus the averaged shard; the shard for stages 2–3).
     pub grads: u64,
     /// Optimizer state (AdamW m and v, for this rank's slots).
     pub optim: u64,
-    /// Largest amount of transient buffers alive at once (gathered units, flat gradients).
+    /// Largest amount of transient buffers alive at once (stage 3's gathered units, stages 2–3's
+    /// full flat gradients; stage 1 keeps its full gradients and counts them in `grads`).
     pub peak_transient: u64,
 }
 

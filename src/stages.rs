@@ -37,8 +37,9 @@ pub enum Checkpointing {
     None,
     /// Recompute every block: keep only each block's input.
     Full,
-    /// Recompute one block in every K (blocks 0, K, 2K, …): between none (K larger than the
-    /// number of blocks) and full (K = 1).
+    /// Recompute one block in every K (blocks 0, K, 2K, …): ⌈L/K⌉ of L blocks, full at K = 1.
+    /// Block 0 is always recomputed, so a K at or above the number of blocks recomputes block 0
+    /// alone — not the same as `None`.
     Every(usize),
 }
 
@@ -86,8 +87,9 @@ pub trait StageHooks {
     fn begin(&mut self) -> CommResult<()> {
         Ok(())
     }
-    /// Must stage `s` be recomputed whatever the checkpoint policy (ZeRO-3: its unit is released
-    /// after forward, and autograd's saved views would otherwise keep it alive)?
+    /// Must stage `s` be recomputed whatever the checkpoint policy (ZeRO-3 resharding after
+    /// forward: its unit is released after forward, and autograd's saved views would otherwise
+    /// keep it alive)?
     fn must_recompute(&self, _s: usize) -> bool {
         false
     }
@@ -95,7 +97,8 @@ pub trait StageHooks {
     fn pre_forward(&mut self, _s: usize) -> CommResult<()> {
         Ok(())
     }
-    /// After stage `s`'s forward; `recomputed`: it kept no graph (ZeRO-3: release its unit).
+    /// After stage `s`'s forward; `recomputed`: it kept no graph (ZeRO-3 resharding after forward:
+    /// release its unit).
     fn post_forward(&mut self, _s: usize, _recomputed: bool) -> CommResult<()> {
         Ok(())
     }

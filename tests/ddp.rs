@@ -1,7 +1,7 @@
 //! DDP trains exactly like one process: for N = 1..4 ranks on both backends, naive and bucketed
 //! DDP (with several buckets, and with gradient accumulation under `no_sync`) end, after several
-//! AdamW steps, with the same parameters as a single process training on the concatenated
-//! global batch with the same libtorch AdamW (float tolerance).
+//! AdamW steps (shardlab's AdamW), with the same parameters as a single process training on the
+//! concatenated global batch with libtorch's AdamW, same hyper-parameters (float tolerance).
 
 use shardlab::data::{synthetic_corpus, DistributedSampler, Tokens};
 use shardlab::ddp::{self, Variant};

@@ -2,8 +2,10 @@
 //! backends, DDP, ZeRO-1, ZeRO-2 and ZeRO-3 end, after several AdamW steps, with the same
 //! parameters as a single process on the concatenated global batch using libtorch's own AdamW
 //! (tch `nn::AdamW`, same hyper-parameters) — including unit sizes that do not divide by N
-//! (the tiny GPT's units have 12 704 and 2 624 elements: N = 3 pads both). Also: each rank holds
-//! the bytes the ZeRO model predicts.
+//! (the tiny GPT's units have 12 704 and 2 624 elements: N = 3 pads both); the ranks step
+//! shardlab's AdamW over their shards. Also: the bytes each rank holds, measured from its tensors
+//! (`held_bytes`), match the fp32 ZeRO model up to padding — ZeRO-1 with 4Ψ + 4Ψ/N of gradients
+//! (its full buffer and its averaged shard) — and SGD steps match one process for every stage.
 
 use shardlab::data::{synthetic_corpus, DistributedSampler, Tokens};
 use shardlab::ddp::{self, DataParallel, Variant};

@@ -29,7 +29,7 @@ pub fn adamw_shard_step(
     eps: f64,
 ) {
     // TODO: one AdamW step on p, m and v in place, exactly libtorch's (decoupled weight decay,
-    // bias correction): README, "Why the sharded AdamW is libtorch's AdamW".
+    // bias correction): README, "Why AdamW on a shard is libtorch's AdamW".
     todo!()
 }
 

@@ -94,6 +94,7 @@ fn main() -> anyhow::Result<()> {
             bucket_cap_bytes: shardlab::ddp::DEFAULT_BUCKET_CAP_BYTES,
             threads: Some(1),
             checkpointing: Checkpointing::None,
+            reshard_after_forward: true,
         })?;
         let name = format!("{strategy:?}").to_lowercase();
         let exposed_ms = r.exposed_comm_s / a.steps as f64 * 1e3;

@@ -74,6 +74,7 @@ fn main() -> anyhow::Result<()> {
         bucket_cap_bytes: cap,
         threads: Some(1),
         checkpointing: Checkpointing::None,
+        reshard_after_forward: true,
     };
     let sizes: Vec<usize> = cfg.param_shapes().iter().map(|(_, s)| 4 * s.iter().product::<i64>() as usize).collect();
     let mut rows = Vec::new();

@@ -2,7 +2,11 @@
 //! the all-gather time prefetching hides; and the speed next to DDP and PyTorch's FSDP2.
 //!
 //!   cargo run --release --bin lesson06                      # FSDP vs DDP, 2 ranks
-//!   cargo run --release --bin lesson06 -- --compare-pytorch # + PyTorch FSDP2 (fully_shard per block)
+//!   cargo run --release --bin lesson06 -- --compare-pytorch # + PyTorch FSDP2 and DDP, like for like
+//!
+//! The PyTorch comparison pairs equal work: shardlab ZeRO-3 resharding after forward (it
+//! recomputes every block in backward) with FSDP2 plus per-block activation checkpointing, and
+//! both without resharding (no recompute, one all-gather per block per step); DDP with DDP.
 //!
 //! Model: the benchmark GPT (4 layers, width 256, 4.2 M params), batch 8 per rank, 1 thread per
 //! rank, TCP processes. Units: one per block plus the root (embeddings, ln_f).
@@ -52,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         bucket_cap_bytes: shardlab::ddp::DEFAULT_BUCKET_CAP_BYTES,
         threads: Some(1),
         checkpointing: Checkpointing::None,
+        reshard_after_forward: true,
     };
     let runs: Vec<(Strategy, RunSummary)> = [Strategy::Ddp, Strategy::Fsdp]
         .into_iter()
@@ -107,31 +112,72 @@ fn main() -> anyhow::Result<()> {
         println!("final loss: DDP {:.6}, FSDP {:.6} (same training)", runs[0].1.final_loss, runs[1].1.final_loss);
     }
     if a.compare_pytorch {
-        let mut m: [Vec<f64>; 4] = Default::default();
-        for _ in 0..a.repeats {
-            m[0].push(job::run_isolated(&one(Strategy::Fsdp))?.tokens_per_s);
-            m[1].push(
-                job::pytorch_train(&job, "fsdp", a.world_size)?["tokens_per_s"].as_f64().context("tokens_per_s")?,
-            );
-            m[2].push(job::run_isolated(&one(Strategy::Ddp))?.tokens_per_s);
-            m[3].push(job::pytorch_train(&job, "ddp", a.world_size)?["tokens_per_s"].as_f64().context("tokens_per_s")?);
+        // Like for like: the same work on both sides. ZeRO-3 resharding after forward recomputes
+        // every block (libtorch's saved views would pin a freed unit), so it is paired with FSDP2
+        // plus per-block torch.utils.checkpoint; without resharding neither side recomputes and
+        // both gather once per block.
+        let ours = |reshard: bool, strategy: Strategy| OneRun { reshard_after_forward: reshard, ..one(strategy) };
+        let theirs = |reshard: bool, ckpt: Checkpointing| job::PyTorchOptions {
+            reshard_after_forward: reshard,
+            checkpointing: ckpt,
+            ..Default::default()
+        };
+        struct Pair {
+            name: &'static str,
+            ours: OneRun,
+            strategy: &'static str,
+            theirs: job::PyTorchOptions<'static>,
         }
-        let med: Vec<f64> = m.iter_mut().map(|v| shardlab::bench::median(v)).collect();
-        let v = json!({"compare": "pytorch", "repeats": a.repeats, "world_size": a.world_size,
-                "fsdp_tokens_per_s": {"shardlab": med[0], "pytorch": med[1], "ratio": med[0] / med[1]},
-                "ddp_tokens_per_s": {"shardlab": med[2], "pytorch": med[3], "ratio": med[2] / med[3]},
-                "shardlab_fsdp_over_ddp": med[0] / med[2]});
+        let pairs = [
+            Pair {
+                name: "FSDP, reshard + recompute",
+                ours: ours(true, Strategy::Fsdp),
+                strategy: "fsdp",
+                theirs: theirs(true, Checkpointing::Full),
+            },
+            Pair {
+                name: "FSDP, no reshard",
+                ours: ours(false, Strategy::Fsdp),
+                strategy: "fsdp",
+                theirs: theirs(false, Checkpointing::None),
+            },
+            Pair { name: "DDP", ours: one(Strategy::Ddp), strategy: "ddp", theirs: theirs(true, Checkpointing::None) },
+        ];
+        let mut tok: Vec<[Vec<f64>; 2]> = pairs.iter().map(|_| Default::default()).collect();
+        let mut sent = vec![0.0; pairs.len()];
+        for _ in 0..a.repeats {
+            for (k, p) in pairs.iter().enumerate() {
+                let r = job::run_isolated(&p.ours)?;
+                tok[k][0].push(r.tokens_per_s);
+                sent[k] = r.bytes_sent_per_step;
+                let py = job::pytorch_train_with(&job, p.strategy, a.world_size, &p.theirs)?;
+                tok[k][1].push(py["tokens_per_s"].as_f64().context("tokens_per_s")?);
+            }
+        }
+        let med: Vec<[f64; 2]> =
+            tok.iter_mut().map(|[o, t]| [shardlab::bench::median(o), shardlab::bench::median(t)]).collect();
         if a.json {
-            println!("{v}");
+            for ((p, m), s) in pairs.iter().zip(&med).zip(&sent) {
+                println!(
+                    "{}",
+                    json!({"compare": "pytorch", "config": p.name, "repeats": a.repeats, "world_size": a.world_size,
+                           "shardlab_tokens_per_s": m[0], "pytorch_tokens_per_s": m[1], "ratio": m[0] / m[1],
+                           "shardlab_bytes_sent_per_step": s})
+                );
+            }
         } else {
             println!(
-                "\nshardlab vs PyTorch 2.11 (median of {} interleaved runs, tokens/s, {} ranks, 1 thread each):",
+                "\nshardlab vs PyTorch 2.11, like for like (median of {} interleaved runs, tokens/s, {} ranks, 1 thread each):",
                 a.repeats, a.world_size
             );
-            println!("{:<26} {:>10} {:>10} {:>7}", "", "shardlab", "PyTorch", "ratio");
-            println!("{:<26} {:>10.0} {:>10.0} {:>6.2}×", "FSDP (ZeRO-3 / FSDP2)", med[0], med[1], med[0] / med[1]);
-            println!("{:<26} {:>10.0} {:>10.0} {:>6.2}×", "DDP", med[2], med[3], med[2] / med[3]);
-            println!("shardlab FSDP / shardlab DDP: {:.2}", med[0] / med[2]);
+            println!("{:<27} {:>10} {:>10} {:>7} {:>17}", "", "shardlab", "PyTorch", "ratio", "sent MB/step (ours)");
+            for ((p, m), s) in pairs.iter().zip(&med).zip(&sent) {
+                println!("{:<27} {:>10.0} {:>10.0} {:>6.2}× {:>17.1}", p.name, m[0], m[1], m[0] / m[1], mb(*s));
+            }
+            println!(
+                "PyTorch's traffic follows the same ring formulas: FSDP with resharding 3(N−1)/N·4Ψ per step, without \
+                 2(N−1)/N·4Ψ, DDP 2(N−1)/N·4Ψ."
+            );
         }
     }
     Ok(())

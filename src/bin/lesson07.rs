@@ -83,6 +83,7 @@ fn main() -> anyhow::Result<()> {
             bucket_cap_bytes: shardlab::ddp::DEFAULT_BUCKET_CAP_BYTES,
             threads: Some(1),
             checkpointing: Checkpointing::None,
+            reshard_after_forward: true,
         })?;
         let m = r.memory;
         let rss = r.peak_rss_bytes.unwrap_or(0) as f64;

@@ -107,7 +107,7 @@ fn main() -> anyhow::Result<()> {
         let env: &[(&str, &str)] = if timing { &[] } else { &EXACT };
         let j = job(model, batch, timing);
         if pytorch {
-            let opts = job::PyTorchOptions { threads, checkpointing: policy, env };
+            let opts = job::PyTorchOptions { threads, checkpointing: policy, env, ..Default::default() };
             let r = job::pytorch_train_with(&j, "single", 1, &opts)?;
             let f = |k: &str| r[k].as_f64().ok_or_else(|| anyhow::anyhow!("no {k} in PyTorch's summary"));
             anyhow::Ok((f("peak_rss_bytes")?, f("step_s_median")?, f("final_loss")?))
@@ -121,6 +121,7 @@ fn main() -> anyhow::Result<()> {
                 bucket_cap_bytes: 0,
                 threads: Some(threads as i32),
                 checkpointing: policy,
+                reshard_after_forward: true,
             };
             let r: RunSummary = job::run_isolated_with_env(&one, env)?;
             anyhow::Ok((r.peak_rss_bytes.unwrap_or(0) as f64, r.median_step_s, r.final_loss))

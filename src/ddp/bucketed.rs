@@ -3,10 +3,10 @@
 //! * Buckets: parameters in *reverse* registration order (roughly the order backward finishes
 //!   them), packed greedily into flat f32 buffers of at most `cap` bytes (a tensor larger than
 //!   the cap gets a bucket of its own). Fewer, larger messages: less per-message latency (α).
-//! * Overlap: backward runs stage by stage ([`staged_backward`]); once the stage that first
-//!   uses every parameter of a bucket has run backward, the bucket's gradients are final — they
-//!   are copied into its flat buffer and its all-reduce (average) starts on the communication
-//!   thread while the training thread goes on with the earlier stages.
+//! * Overlap: backward runs stage by stage (the stage runner, [`forward_backward`]); once the
+//!   stage that first uses every parameter of a bucket has run backward, the bucket's gradients
+//!   are final — they are copied into its flat buffer and its all-reduce (average) starts on the
+//!   communication thread while the training thread goes on with the earlier stages.
 //! * After backward: wait for every bucket (the *exposed* communication time), copy the averaged
 //!   buffers back into the gradients.
 //!

@@ -232,7 +232,8 @@ pub fn train_step(
     Ok(StepOutput { loss, grad_norm, lr: cfg.lr })
 }
 
-/// No data parallelism: one process, plain `loss.backward()` (the reference every strategy must match).
+/// No data parallelism: one process on the stage runner, the gradients of a plain `loss.backward()`
+/// (the reference every strategy must match).
 pub struct Single<'a> {
     pg: &'a ProcessGroup,
     model: Box<dyn Model + 'a>,

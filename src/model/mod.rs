@@ -3,10 +3,11 @@
 //!
 //! Both expose their forward pass as a chain of *stages* (GPT: embeddings, one stage per block,
 //! head + loss). libtorch's autograd has no per-parameter hooks reachable from tch, so the
-//! parallel wrappers get "this gradient is final now" by structure instead: [`staged_backward`]
-//! cuts the graph at stage boundaries and runs backward one stage at a time, calling back after
-//! each — the moment DDP may start all-reducing that stage's gradients (lesson 05) and FSDP may
-//! free and re-shard its parameters.
+//! parallel wrappers get "this gradient is final now" by structure instead: the stage runner
+//! ([`crate::stages::forward_backward`], which every strategy runs; [`staged_backward`] is a thin
+//! wrapper over it) cuts the graph at stage boundaries and runs backward one stage at a time,
+//! calling the strategy's hooks after each — the moment DDP may start all-reducing that stage's
+//! gradients (lesson 05) and FSDP may free and re-shard its parameters.
 
 mod gpt;
 mod mlp;
@@ -137,9 +138,11 @@ pub fn ensure_grads(params: &[Tensor]) {
 }
 
 /// Set every parameter's gradient to zero, allocating it if absent (PyTorch's
-/// `zero_grad(set_to_none=False)`). Training loops use the optimizer's `zero_grad()` instead,
-/// which frees the gradients (`set_to_none=True`): the next backward then writes fresh tensors
-/// rather than adding into zeroed ones.
+/// `zero_grad(set_to_none=False)`). The library's training step does the same in place:
+/// [`DataParallel::step`](crate::ddp::DataParallel::step) zeroes the gradients after the optimizer
+/// step and keeps them allocated for the next backward. libtorch's optimizers (lesson 04's toy
+/// DDP, the reference in the tests) free them instead with `zero_grad()` (`set_to_none=True`): the
+/// next backward then writes fresh tensors rather than adding into zeroed ones.
 pub fn zero_grads(params: &[Tensor]) {
     ensure_grads(params);
     for p in params {

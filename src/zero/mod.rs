@@ -7,23 +7,36 @@
 //!
 //! | stage | every rank keeps | after backward | optimizer step |
 //! |---|---|---|---|
-//! | 1 | full params, full grads, ⅟N of AdamW state | reduce-scatter (avg) each unit's flat grads | AdamW on the own shard, all-gather params |
+//! | 1 | full params, full grads (kept, zeroed, between steps) and their averaged ⅟N, ⅟N of AdamW state | reduce-scatter (avg) each unit's flat grads | AdamW on the own shard, all-gather params |
 //! | 2 | full params, ⅟N of grads and state | same, and free each unit's full grads at once | same |
 //! | 3 | ⅟N of params, grads and state | same | AdamW on the own shard, nothing to gather |
+//!
+//! The optimizer is the caller's ([`crate::optim::AdamW`], the one every strategy steps), passed
+//! to [`DataParallel::step`] with the step's learning rate and clip: it sees one slot per unit,
+//! this rank's flat shard, with a per-element weight-decay mask ([`Decay::Mask`]). The step
+//! all-reduces the shards' sum of squares once for the global gradient norm (clipping) and refuses
+//! on every rank when it is not finite.
 //!
 //! Stage 3 materialises a unit only while it is needed: all-gather before its forward, free
 //! after; all-gather again before its backward, free after (the root stays gathered for the whole
 //! step, as FSDP's root does). libtorch's autograd keeps views of the gathered weights in its saved
 //! tensors, so a freed unit would stay alive through its graph; stage 3 therefore runs a block's
-//! forward without a graph and recomputes it in backward (see [`Zero::reshard_after_forward`]). The next unit's all-gather is started asynchronously before the
-//! current unit computes (prefetch), forward and backward. Parameters keep their identity (the
-//! tensors the model and autograd know); only their data is swapped (`set_data`) between a view
-//! into the gathered buffer and an empty tensor.
+//! forward without a graph and recomputes it in backward (see [`Zero::reshard_after_forward`];
+//! the stage runner's [`StageHooks::must_recompute`], the mechanism activation checkpointing
+//! uses). A unit is released after its forward only when resharding: with resharding off and a
+//! checkpoint policy, its blocks are recomputed but the unit stays gathered until its backward.
+//! The next unit's all-gather is started asynchronously before the current unit computes
+//! (prefetch), forward and backward. Parameters keep their identity (the tensors the model and
+//! autograd know); only their data is swapped (`set_data`) between a view into the gathered buffer
+//! and an empty tensor.
 //!
-//! Backward runs stage by stage with `Tensor::run_backward`, which *returns* each stage's
-//! parameter gradients instead of accumulating full-size `.grad` tensors: they go straight into
-//! the unit's flat gradient buffer, which is reduced (and, for stages 2–3, freed) once the
-//! unit's last stage is done. Gradient accumulation: stage 1 accumulates full local gradients
+//! Forward and backward run on the stage runner every strategy uses
+//! ([`forward_backward`](crate::stages::forward_backward)), with ZeRO's [`StageHooks`]: gather and
+//! release units around each stage, collect gradients, start reductions. Backward runs stage by
+//! stage with `Tensor::run_backward`, which *returns* each stage's parameter gradients instead of
+//! accumulating full-size `.grad` tensors: they go straight into the unit's flat gradient buffer,
+//! which is reduced (then, for stages 2–3, freed; for stage 1, zeroed and kept) once the unit's
+//! last stage is done. Gradient accumulation: stage 1 accumulates full local gradients
 //! and reduce-scatters once (`no_sync`); stages 2–3 reduce-scatter every micro-batch and
 //! accumulate the shard, as DeepSpeed does, so `no_sync` has nothing to save there.
 //!
