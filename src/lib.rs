@@ -19,6 +19,7 @@ pub mod model;
 pub mod optim;
 pub mod params;
 pub mod plot;
+pub mod precision;
 pub mod rng;
 pub mod stages;
 pub mod trainer;
@@ -39,6 +40,7 @@ pub mod prelude {
     pub use crate::model::{staged_backward, zero_grads, Batch, Gpt, GptConfig, Mlp, MlpConfig, Model};
     pub use crate::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer, Sgd, StepConfig};
     pub use crate::plot::{BarChart, LineChart, Units};
+    pub use crate::precision::{GradScaler, Precision};
     pub use crate::stages::Checkpointing;
     pub use crate::trainer::{ScalingConfig, Strategy, TrainContext, Trainer};
     pub use serde_json::json;
