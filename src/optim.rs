@@ -194,10 +194,13 @@ impl Optimizer for AdamW {
                 let t = self.steps[i] as i32;
                 let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
                 decay_(p, &decay[i], lr, c.weight_decay);
-                let _ = self.m[i].g_mul_scalar_(c.beta1).g_add_(&(g * (1.0 - c.beta1)));
-                let _ = self.v[i].g_mul_scalar_(c.beta2).g_add_(&(g * g * (1.0 - c.beta2)));
-                let denom = (self.v[i].sqrt() / bc2.sqrt()) + c.eps;
-                let _ = p.shallow_clone().g_sub_(&(&self.m[i] / denom * (lr / bc1)));
+                // In place, two temporaries per slot (one pass each): m ← m + (1−β₁)(g − m),
+                // v ← β₂v + ((1−β₂)g)·g, then p ← p + m / (−(√v/√bc₂ + ε)·bc₁/lr).
+                let _ = self.m[i].lerp_(g, 1.0 - c.beta1);
+                let _ = self.v[i].g_mul_scalar_(c.beta2).addcmul_(&(g * (1.0 - c.beta2)), g);
+                let mut denom = self.v[i].sqrt();
+                let _ = denom.g_div_scalar_(bc2.sqrt()).g_add_scalar_(c.eps).g_div_scalar_(-(lr / bc1));
+                let _ = p.shallow_clone().addcdiv_(&self.m[i], &denom);
             }
         });
         Ok(())
