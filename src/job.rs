@@ -144,7 +144,13 @@ impl GptJob {
             ctx.group().barrier()?;
             let t0 = Instant::now();
             let cfg = StepConfig { lr: self.schedule().lr(step), grad_clip: self.grad_clip };
-            let out = ddp::train_step(&mut *dp, &mut opt, &batch, self.accum, cfg)?;
+            let out = ddp::train_step(&mut *dp, &mut opt, &batch, self.accum, cfg).map_err(|e| {
+                anyhow::anyhow!(
+                    "step {step}: {e} (learning rate {}; the last losses: {:.4?})",
+                    cfg.lr,
+                    &losses[losses.len().saturating_sub(4)..]
+                )
+            })?;
             let local = out.loss;
             let dt = t0.elapsed().as_secs_f64();
             let mut l = Tensor::from_slice(&[local]);
