@@ -149,9 +149,13 @@ WRONG = [
     ("09", 2, "the loss not scaled",
      [("let obj = if s == n - 1 { out * scale }", "let obj = if s == n - 1 { out * 1.0 }")],
      "scale 0.25"),
-    ("09", 3, "the most recomputes instead of the fewest",
-     [("(2..=layers).rev().find(", "(2..=layers).find(")],
-     "every:7"),
+    ("09", 3, "a block's bytes never freed after its backward",
+     [("        alive -= kept(j); // blocks after j are already freed; j's own bytes are counted below\n",
+       "")],
+     "full"),
+    ("09", 4, "the lowest peak instead of the fewest recomputes",
+     [(".min_by_key(|&(r, peak, _)| (r, peak))", ".min_by_key(|&(_, peak, _)| peak)")],
+     "no recompute"),
 ]
 
 

@@ -67,24 +67,44 @@ pub fn checkpointed_backward(
     loss
 }
 
-/// Exercise 3 — fit a budget. A model of `layers` blocks keeps `layer_bytes` of activations per
-/// block when the block keeps its graph, and only `input_bytes` when it is recomputed. While
-/// backward recomputes a block, that block's full `layer_bytes` are alive again (one block at a
-/// time), so the peak is: the bytes every block keeps + `layer_bytes` if any block is recomputed.
-/// Return the policy that fits the peak in `budget` with the fewest recomputed blocks: `None`
-/// (no checkpointing) if that fits, else `Every(k)` with the largest k in 2..=layers that fits
-/// (`every:k` recomputes blocks 0, k, 2k, …: ⌈layers/k⌉ of them), else `Full`; `Option::None` if
-/// even full checkpointing does not fit.
+/// Exercise 3 — the peak, on the backward's timeline. Blocks `0..recompute.len()` each keep
+/// `layer_bytes` of activations for backward when they keep their graph, and only their input,
+/// `input_bytes`, when `recompute[i]`. At the start of backward every block's kept bytes are alive.
+/// Backward then runs the blocks from last to first and frees each block's bytes once its
+/// backward is done; a recomputed block first rebuilds its graph, so while it runs, the blocks
+/// before it plus its own full `layer_bytes` are alive. Return the largest total alive at any
+/// moment.
+pub fn peak_activation_bytes(recompute: &[bool], layer_bytes: u64, input_bytes: u64) -> u64 {
+    let kept = |i: usize| if recompute[i] { input_bytes } else { layer_bytes };
+    let mut alive: u64 = (0..recompute.len()).map(kept).sum();
+    let mut peak = alive;
+    for j in (0..recompute.len()).rev() {
+        alive -= kept(j); // blocks after j are already freed; j's own bytes are counted below
+        if recompute[j] {
+            peak = peak.max(alive + layer_bytes);
+        }
+    }
+    peak
+}
+
+/// Exercise 4 — fit a budget. For a model of `layers` blocks, return the policy whose peak
+/// (exercise 3) fits in `budget` with the fewest recomputed blocks — the least extra time: `None`
+/// (no checkpointing) if that fits, else the `Every(k)` (k in 2..=layers; it recomputes blocks 0,
+/// k, 2k, …) or `Full` that fits with the fewest recomputed blocks — ties broken by the lower peak,
+/// then the smaller k;
+/// `Option::None` if even full checkpointing does not fit.
 pub fn policy_for_budget(layers: u64, layer_bytes: u64, input_bytes: u64, budget: u64) -> Option<Checkpointing> {
-    let peak = |recomputed: u64| {
-        let kept = (layers - recomputed) * layer_bytes + recomputed * input_bytes;
-        kept + if recomputed > 0 { layer_bytes } else { 0 }
-    };
-    if peak(0) <= budget {
-        return Some(Checkpointing::None);
-    }
-    if let Some(k) = (2..=layers).rev().find(|&k| peak(layers.div_ceil(k)) <= budget) {
-        return Some(Checkpointing::Every(k as usize));
-    }
-    (peak(layers) <= budget).then_some(Checkpointing::Full)
+    let n = layers as usize;
+    let mask = |p: Checkpointing| (0..n).map(|b| p.recomputes(b + 1, n + 2)).collect::<Vec<bool>>();
+    let mut candidates = vec![Checkpointing::None, Checkpointing::Full];
+    candidates.extend((2..=n).map(Checkpointing::Every));
+    candidates
+        .into_iter()
+        .map(|p| {
+            let m = mask(p);
+            (m.iter().filter(|&&r| r).count(), peak_activation_bytes(&m, layer_bytes, input_bytes), p)
+        })
+        .filter(|&(_, peak, _)| peak <= budget)
+        .min_by_key(|&(r, peak, _)| (r, peak))
+        .map(|(_, _, p)| p)
 }

@@ -19,11 +19,12 @@ use std::sync::Mutex;
 shardlab::graders! {
     lesson: "09", exercise_file: "lessons/09_activation_checkpointing/exercise.rs";
 
-    /// A model that counts its stage forwards and records whether each output carries a graph.
+    /// A model that counts its stage forwards and records, per call, whether the output carries a
+    /// graph and whether the next stage's parameters already have gradients (has its backward run?).
     struct Watched<M: Model> {
         inner: M,
         calls: Vec<AtomicUsize>,
-        graphs: Mutex<Vec<(usize, bool)>>,
+        graphs: Mutex<Vec<(usize, bool, bool)>>,
     }
 
     impl<M: Model> Watched<M> {
@@ -46,7 +47,14 @@ shardlab::graders! {
         fn stage_forward(&self, s: usize, x: &Tensor, batch: &Batch) -> Tensor {
             self.calls[s].fetch_add(1, Ordering::Relaxed);
             let y = self.inner.stage_forward(s, x, batch);
-            self.graphs.lock().unwrap().push((s, y.requires_grad()));
+            let params = self.inner.parameters();
+            let next_done = self.inner.stage_uses().get(s + 1).is_some_and(|u| {
+                u.iter().any(|&i| {
+                    let g = params[i].grad();
+                    g.defined() && g.abs().sum(Kind::Float).double_value(&[]) > 0.0
+                })
+            });
+            self.graphs.lock().unwrap().push((s, y.requires_grad(), next_done));
             y
         }
         fn param_stages(&self) -> Vec<usize> {
@@ -73,20 +81,9 @@ shardlab::graders! {
         (0..n).map(|s| policy.recomputes(s, n)).collect()
     }
 
-    /// The grader's own checkpointed forward (exercise 1's contract), so that exercise 2 is graded
-    /// on its own.
+    /// Exercise 2 is graded on its own: its input comes from the reference answer to exercise 1.
     fn forward_for_ex2(model: &dyn Model, batch: &Batch, recompute: &[bool]) -> Vec<(Tensor, Tensor)> {
-        let mut kept: Vec<(Tensor, Tensor)> = Vec::new();
-        for s in 0..model.num_stages() {
-            let input = kept.last().map_or(Tensor::new(), |(_, y)| y.detach().set_requires_grad(true));
-            let output = if recompute[s] {
-                tch::no_grad(|| model.stage_forward(s, &input, batch))
-            } else {
-                model.stage_forward(s, &input, batch)
-            };
-            kept.push((input, output));
-        }
-        kept
+        crate::solution_code::checkpointed_forward(model, batch, recompute)
     }
 
     /// Every parameter's gradient as raw f32 bits.
@@ -137,6 +134,14 @@ shardlab::graders! {
                     );
                 }
             }
+            for &(s, graph, _) in m.graphs.lock().unwrap().iter() {
+                assert_eq!(
+                    graph, !rec[s],
+                    "{policy}: stage {s}'s forward {} a graph — run a recomputed stage under tch::no_grad \
+                     (building the graph and detaching the output afterwards still builds it)",
+                    if graph { "built" } else { "built no" }
+                );
+            }
             let want = m.inner.loss(&batch()).double_value(&[]);
             let got = kept[n - 1].1.double_value(&[]);
             assert!((got - want).abs() < 1e-6, "{policy}: the last output is the loss {want}, got {got}");
@@ -175,6 +180,15 @@ shardlab::graders! {
                     calls[s]
                 );
             }
+            for &(s, graph, next_done) in m.graphs.lock().unwrap().iter().skip(n) {
+                assert!(graph, "{policy}: stage {s}'s recompute must build a graph (it is differentiated next)");
+                assert!(
+                    next_done || s + 1 == n,
+                    "{policy}: stage {s} was recomputed before stage {}'s backward had run: recompute each stage \
+                     just before its own backward, so that only one rebuilt graph is alive at a time",
+                    s + 1
+                );
+            }
             let got = grad_bits(&m.inner);
             let names: Vec<String> = m.inner.named_parameters().into_iter().map(|(n, _)| n).collect();
             for ((g, w), name) in got.iter().zip(&want).zip(&names) {
@@ -200,19 +214,34 @@ shardlab::graders! {
     }
 
     #[test]
-    fn ex3_the_policy_with_fewest_recomputes_that_fits() {
-        // 8 blocks of 100 bytes, inputs 10: none needs 800; every:k keeps
-        // (8 − r)·100 + r·10 + 100 with r = ⌈8/k⌉ recomputed: k=8 → r=1, 810 (worse than none);
-        // k=4..=7 → r=2, 720; k=3 → r=3, 630; k=2 → r=4, 540; full → r=8, 180.
-        assert_eq!(policy_for_budget(8, 100, 10, 800), Some(Checkpointing::None), "800 fits with no recompute");
-        assert_eq!(policy_for_budget(8, 100, 10, 799), Some(Checkpointing::Every(7)), "799: every:7 (720, two blocks recomputed; the largest such k)");
-        assert_eq!(policy_for_budget(8, 100, 10, 700), Some(Checkpointing::Every(3)), "700: every:3 (630)");
-        assert_eq!(policy_for_budget(8, 100, 10, 540), Some(Checkpointing::Every(2)), "540: every:2 exactly");
-        assert_eq!(policy_for_budget(8, 100, 10, 539), Some(Checkpointing::Full), "539: only full (180) fits");
-        assert_eq!(policy_for_budget(8, 100, 10, 180), Some(Checkpointing::Full), "180: full exactly");
-        assert_eq!(policy_for_budget(8, 100, 10, 179), None, "179: nothing fits");
-        // One block: recomputing it never helps (its input + its activations again = 110 > 100).
+    fn ex3_the_peak_follows_the_backward() {
+        // 8 blocks that keep M = 100 bytes each, or m = 10 when recomputed; by hand:
+        let mask = |blocks: &[usize]| (0..8).map(|b| blocks.contains(&b)).collect::<Vec<bool>>();
+        let peak = |blocks: &[usize]| peak_activation_bytes(&mask(blocks), 100, 10);
+        assert_eq!(peak(&[]), 800, "no recompute: every block's 100 bytes at the start of backward");
+        assert_eq!(peak(&[0, 1, 2, 3, 4, 5, 6, 7]), 170, "full: 8·10 kept; rebuilding block 7 while blocks 0–6 keep 10 each: 70 + 100");
+        assert_eq!(peak(&[0, 2, 4, 6]), 440, "every:2: 4·100 + 4·10 kept at the start; rebuilding block 6 adds 100 to blocks 0–5's 330");
+        assert_eq!(peak(&[0, 4]), 620, "every:4: 6·100 + 2·10");
+        assert_eq!(peak(&[0, 7]), 710, "blocks 0 and 7: rebuilding block 7 while blocks 1–6 still hold their 100 each: 10 + 600 + 100");
+        assert_eq!(peak(&[7]), 800, "only the last block: it is rebuilt first, on top of everything — no saving");
+        assert_eq!(peak(&[0]), 710, "only block 0: it is rebuilt last, when everything else is freed");
+        assert_eq!(peak_activation_bytes(&[], 100, 10), 0, "no blocks, no activations");
+    }
+
+    #[test]
+    fn ex4_the_policy_with_fewest_recomputes_that_fits() {
+        // Same 8 blocks (M = 100, m = 10). every:k recomputes blocks 0, k, 2k, …:
+        // k = 8 → {0}: 710;  k = 4, 5, 6 → two blocks: 620;  k = 7 → {0, 7}: 710;
+        // k = 3 → {0, 3, 6}: 530;  k = 2 → four blocks: 440;  full: 170.
+        let p = |budget| policy_for_budget(8, 100, 10, budget);
+        assert_eq!(p(800), Some(Checkpointing::None), "800 fits with no recompute");
+        assert_eq!(p(799), Some(Checkpointing::Every(8)), "799: every:8 recomputes one block (710)");
+        assert_eq!(p(709), Some(Checkpointing::Every(4)), "709: two blocks (every:4, 5 or 6 at 620; every:7 is 710): the smallest k");
+        assert_eq!(p(600), Some(Checkpointing::Every(3)), "600: every:3 (530)");
+        assert_eq!(p(500), Some(Checkpointing::Every(2)), "500: every:2 (440)");
+        assert_eq!(p(439), Some(Checkpointing::Full), "439: only full (170) fits");
+        assert_eq!(p(169), None, "169: nothing fits");
         assert_eq!(policy_for_budget(1, 100, 10, 100), Some(Checkpointing::None), "one block, 100: no checkpointing");
-        assert_eq!(policy_for_budget(1, 100, 10, 99), None, "one block, 99: nothing fits");
+        assert_eq!(policy_for_budget(1, 100, 10, 99), None, "one block, 99: recomputing it needs its 100 again");
     }
 }

@@ -257,3 +257,24 @@ fn sgd_steps_match_one_process_for_every_stage_with_uneven_accumulation() {
         }
     }
 }
+
+#[test]
+fn held_bytes_counts_each_byte_once() {
+    use shardlab::memory::held_bytes;
+    let flat = Tensor::zeros([100], (Kind::Float, Device::Cpu));
+    let a = flat.narrow(0, 0, 60);
+    let b = flat.narrow(0, 40, 60); // overlaps a by 20 elements
+    assert_eq!(held_bytes([&a, &b]), 400, "two overlapping views of one buffer: its 100 floats once");
+    assert_eq!(held_bytes([&flat, &a, &b]), 400, "the buffer and its views: once");
+    assert_eq!(held_bytes([&a]), 240, "a view alone: the bytes it spans");
+    let other = Tensor::zeros([10], (Kind::Double, Device::Cpu));
+    assert_eq!(held_bytes([&a, &other]), 240 + 80, "separate storages add up, each in its own dtype");
+    let m = Tensor::zeros([4, 5], (Kind::Float, Device::Cpu));
+    let col = m.narrow(1, 0, 1); // a column: strided, spans rows 0..4 of the matrix
+    assert_eq!(held_bytes([&col]), (3 * 5 + 1) * 4, "a strided view spans from its first to its last element");
+    assert_eq!(
+        held_bytes([&Tensor::new(), &Tensor::zeros([0], (Kind::Float, Device::Cpu))]),
+        0,
+        "undefined and empty hold nothing"
+    );
+}

@@ -36,16 +36,29 @@ pub fn checkpointed_backward(
     todo!()
 }
 
-/// Exercise 3 — fit a budget. A model of `layers` blocks keeps `layer_bytes` of activations per
-/// block when the block keeps its graph, and only `input_bytes` when it is recomputed. While
-/// backward recomputes a block, that block's full `layer_bytes` are alive again (one block at a
-/// time), so the peak is: the bytes every block keeps + `layer_bytes` if any block is recomputed.
-/// Return the policy that fits the peak in `budget` with the fewest recomputed blocks: `None`
-/// (no checkpointing) if that fits, else `Every(k)` with the largest k in 2..=layers that fits
-/// (`every:k` recomputes blocks 0, k, 2k, …: ⌈layers/k⌉ of them), else `Full`; `Option::None` if
-/// even full checkpointing does not fit.
+/// Exercise 3 — the peak, on the backward's timeline. Blocks `0..recompute.len()` each keep
+/// `layer_bytes` of activations for backward when they keep their graph, and only their input,
+/// `input_bytes`, when `recompute[i]`. At the start of backward every block's kept bytes are alive.
+/// Backward then runs the blocks from last to first and frees each block's bytes once its
+/// backward is done; a recomputed block first rebuilds its graph, so while it runs, the blocks
+/// before it plus its own full `layer_bytes` are alive. Return the largest total alive at any
+/// moment.
+pub fn peak_activation_bytes(recompute: &[bool], layer_bytes: u64, input_bytes: u64) -> u64 {
+    // TODO: walk the backward's order (last block first), keeping a running total of what is alive:
+    // what does each block hold before backward reaches it, what is freed after its backward, what
+    // is added while a recomputed block runs? The answer is the largest total (README, "The budget").
+    todo!()
+}
+
+/// Exercise 4 — fit a budget. For a model of `layers` blocks, return the policy whose peak
+/// (exercise 3) fits in `budget` with the fewest recomputed blocks — the least extra time: `None`
+/// (no checkpointing) if that fits, else the `Every(k)` (k in 2..=layers; it recomputes blocks 0,
+/// k, 2k, …) or `Full` that fits with the fewest recomputed blocks — ties broken by the lower peak,
+/// then the smaller k;
+/// `Option::None` if even full checkpointing does not fit.
 pub fn policy_for_budget(layers: u64, layer_bytes: u64, input_bytes: u64, budget: u64) -> Option<Checkpointing> {
-    // TODO: write the peak as a function of how many blocks are recomputed, then try no
-    // checkpointing, every:k from the largest k down to 2, and full, in that order (README, "The budget").
+    // TODO: list the candidate policies, turn each into a per-block recompute mask
+    // (Checkpointing::recomputes works on model stages: blocks are stages 1..=layers), and keep the
+    // one that fits with the fewest recomputed blocks (README, "The budget").
     todo!()
 }

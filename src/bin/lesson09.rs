@@ -53,16 +53,11 @@ struct Args {
     json: bool,
 }
 
-/// The model's activation bytes for `b` sequences: (kept without recompute per block, kept by a
-/// recomputed block, total under `policy`).
-fn model_bytes(cfg: &GptConfig, b: f64, policy: Checkpointing) -> (f64, f64, f64) {
-    let (s, h, a, l) = (cfg.block_size as f64, cfg.n_embd as f64, cfg.n_head as f64, cfg.n_layer as usize);
-    let layer = 68.0 * s * b * h + 4.0 * a * s * b;
-    let input = 4.0 * s * b * h;
-    let n = l + 2;
-    let recomputed = (0..n).filter(|&st| policy.recomputes(st, n)).count() as f64;
-    let total = (l as f64 - recomputed) * layer + recomputed * input + if recomputed > 0.0 { layer } else { 0.0 };
-    (layer, input, total)
+/// The model's activation bytes per block for `b` sequences: (kept with its graph, kept by a
+/// recomputed block: its input).
+fn model_bytes(cfg: &GptConfig, b: f64) -> (f64, f64) {
+    let (s, h, a) = (cfg.block_size as f64, cfg.n_embd as f64, cfg.n_head as f64);
+    (68.0 * s * b * h + 4.0 * a * s * b, 4.0 * s * b * h)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -140,7 +135,7 @@ fn main() -> anyhow::Result<()> {
             let total = peak(cfg, 2 * a.batch_size)? - peak(cfg, a.batch_size)?; // activations of B sequences, L blocks
             let total_2l = peak(deeper, 2 * a.batch_size)? - peak(deeper, a.batch_size)?;
             let per_block = (total_2l - total) / l; // what one more block keeps
-            let (layer, input, _) = model_bytes(&cfg, b, Checkpointing::None);
+            let (layer, input) = model_bytes(&cfg, b);
             let n = cfg.n_layer as usize + 2;
             let recomputed = (0..n).filter(|&st| policy.recomputes(st, n)).count() as f64;
             let model_block = ((l - recomputed) * layer + recomputed * input) / l;
