@@ -81,6 +81,8 @@ pub struct DdpBucketed<'a> {
     params: Vec<Tensor>,
     buckets: Vec<Bucket>,
     require_sync: bool,
+    /// The last backward ran inside no_sync.
+    unsynced: bool,
     stats: DdpStats,
     checkpointing: Checkpointing,
 }
@@ -152,6 +154,7 @@ impl<'a> DdpBucketed<'a> {
             params,
             buckets,
             require_sync: true,
+            unsynced: false,
             stats: DdpStats::default(),
             checkpointing: Checkpointing::None,
         })
@@ -172,8 +175,9 @@ impl DataParallel for DdpBucketed<'_> {
         self.pg
     }
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
-        let DdpBucketed { pg, model, params, buckets, require_sync, stats, checkpointing } = self;
+        let DdpBucketed { pg, model, params, buckets, require_sync, unsynced, stats, checkpointing } = self;
         let sync = *require_sync;
+        *unsynced = !sync;
         let mut works: Vec<(usize, Work<Tensor>)> = Vec::new();
         let mut err = None;
         let t0 = Instant::now();
@@ -232,6 +236,9 @@ impl DataParallel for DdpBucketed<'_> {
         }
         stats.syncs += 1;
         Ok(loss)
+    }
+    fn unsynced(&self) -> bool {
+        self.unsynced
     }
     fn set_require_sync(&mut self, on: bool) {
         self.require_sync = on;

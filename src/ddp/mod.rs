@@ -82,6 +82,11 @@ pub trait DataParallel {
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64>;
     /// Turn gradient synchronisation off (`false`) or back on.
     fn set_require_sync(&mut self, on: bool);
+    /// Whether the last backward ran inside `no_sync`, leaving local gradients that were never
+    /// averaged (a step now would be wrong). Default: never (single process).
+    fn unsynced(&self) -> bool {
+        false
+    }
     /// Activation checkpointing for the following backward passes (lesson 09): which blocks keep
     /// no graph in forward and are recomputed in backward.
     fn set_checkpointing(&mut self, policy: Checkpointing);
@@ -117,6 +122,12 @@ pub trait DataParallel {
     fn step(&mut self, opt: &mut dyn Optimizer, lr: f64, grad_clip: Option<f64>) -> CommResult<f64> {
         let rank = self.group().rank();
         optim::check_grad_clip(grad_clip).map_err(|e| CommError::InvalidArgument(format!("rank {rank}: {e}")))?;
+        if self.unsynced() {
+            return Err(CommError::Step(format!(
+                "rank {rank}: the last backward ran without gradient synchronisation (no_sync): its gradients \
+                 were never averaged; finish with a synchronised backward before stepping"
+            )));
+        }
         let params = self.model().parameters();
         let grads: Vec<tch::Tensor> = params.iter().map(|p| p.grad()).collect();
         let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();

@@ -17,6 +17,8 @@ pub struct DdpNaive<'a> {
     model: Box<dyn Model + 'a>,
     params: Vec<Tensor>,
     require_sync: bool,
+    /// The last backward ran inside no_sync.
+    unsynced: bool,
     stats: DdpStats,
     checkpointing: Checkpointing,
 }
@@ -31,6 +33,7 @@ impl<'a> DdpNaive<'a> {
             model,
             params,
             require_sync: true,
+            unsynced: false,
             stats: DdpStats::default(),
             checkpointing: Checkpointing::None,
         })
@@ -61,6 +64,7 @@ impl DataParallel for DdpNaive<'_> {
         let mut hooks = AccumulateGrads::new(&self.params, |_| Ok(()));
         let value = forward_backward(&*self.model, &self.params, batch, scale, self.checkpointing, &mut hooks)?;
         self.stats.compute_s += t0.elapsed().as_secs_f64();
+        self.unsynced = !self.require_sync;
         if self.require_sync {
             let t1 = Instant::now();
             let mut g = grads(&self.params);
@@ -71,6 +75,9 @@ impl DataParallel for DdpNaive<'_> {
             self.stats.syncs += 1;
         }
         Ok(value)
+    }
+    fn unsynced(&self) -> bool {
+        self.unsynced
     }
     fn set_require_sync(&mut self, on: bool) {
         self.require_sync = on;
