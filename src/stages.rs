@@ -183,20 +183,19 @@ pub fn forward_backward(
 
 /// Hooks that add each stage's gradients into the parameters' `.grad` (as `loss.backward()`
 /// does), then call `on_stage_done(s)` — the replicated strategies' hooks.
-pub struct AccumulateGrads<'p, F: FnMut(usize) -> CommResult<()>> {
+pub struct AccumulateGrads<F: FnMut(usize) -> CommResult<()>> {
     grads: Vec<Tensor>,
-    _params: std::marker::PhantomData<&'p Tensor>,
     on_stage_done: F,
 }
 
-impl<'p, F: FnMut(usize) -> CommResult<()>> AccumulateGrads<'p, F> {
+impl<F: FnMut(usize) -> CommResult<()>> AccumulateGrads<F> {
     /// For `params` (each gets a `.grad` if it has none).
-    pub fn new(params: &'p [Tensor], on_stage_done: F) -> Self {
-        AccumulateGrads { grads: crate::model::grads(params), _params: std::marker::PhantomData, on_stage_done }
+    pub fn new(params: &[Tensor], on_stage_done: F) -> Self {
+        AccumulateGrads { grads: crate::model::grads(params), on_stage_done }
     }
 }
 
-impl<F: FnMut(usize) -> CommResult<()>> StageHooks for AccumulateGrads<'_, F> {
+impl<F: FnMut(usize) -> CommResult<()>> StageHooks for AccumulateGrads<F> {
     fn grads(&mut self, _s: usize, uses: &[usize], grads: Vec<Tensor>) -> CommResult<()> {
         for (&i, g) in uses.iter().zip(&grads) {
             if g.defined() {
