@@ -15,7 +15,9 @@ What it is
            ``--world-size`` gloo processes with DistributedDataParallel ("ddp") or
            FSDP2 (``fully_shard`` per block, then the root: "fsdp");
            ``--checkpointing none|full|every:K`` wraps blocks 0, K, 2K, ... in
-           ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)``.
+           ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)``;
+           ``--precision bf16|fp16`` runs the forward under
+           ``torch.autocast("cpu", dtype=...)`` (fp16 with ``torch.amp.GradScaler``).
 
 How to run (from the repository root)
     .venv/bin/python benches/torch_gpt.py init --out /tmp/gpt.safetensors
@@ -295,6 +297,10 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     elif ddp:
         model = nn.parallel.DistributedDataParallel(model)
     opt = configure_optimizer(model, args.lr)
+    # Mixed precision as PyTorch's recipe: fp32 parameters, gradients and optimizer; the autocast
+    # region casts the matmuls (linear, SDPA) to bf16/fp16; fp16 adds a GradScaler.
+    amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    scaler = torch.amp.GradScaler("cpu") if args.precision == "fp16" else None
     g = torch.Generator().manual_seed(args.seed + 1 + rank)  # different rows per rank
     B, T = args.batch_size, args.block_size
     times, loss = [], None
@@ -304,9 +310,15 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
             dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
+        with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
+            _, loss = model(x, y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         dt = time.perf_counter() - t0
         times.append(dt)
         if args.verbose and rank == 0:
@@ -323,6 +335,7 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
         "impl": "pytorch", "strategy": args.strategy, "world_size": world_size, "params": params,
         "tokens_per_s": B * T * world_size / median, "step_s_median": median,
         "final_loss": final_loss, "threads": args.threads, "checkpointing": args.checkpointing,
+        "precision": args.precision,
         "peak_rss_bytes": peak_rss_bytes(),
     }
 
@@ -394,6 +407,8 @@ def parse_args(argv=None):
     t.add_argument("--verbose", action="store_true", help="one JSON line per step")
     t.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fsdp: fully_shard(block, reshard_after_forward=False)")
+    t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="fp32, or torch.autocast('cpu', dtype=bf16/fp16) around the forward (fp16: GradScaler)")
     t.add_argument("--checkpointing", default="none",
                    help="activation checkpointing: none, full or every:K (torch.utils.checkpoint per block)")
     t.set_defaults(func=cmd_train)

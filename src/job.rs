@@ -90,6 +90,11 @@ pub struct RunSummary {
     /// Peak resident set size of rank 0's process during the training steps (meaningful when
     /// ranks are processes).
     pub peak_rss_bytes: Option<u64>,
+    /// The compute precision, and the steps fp16's loss scaler skipped.
+    #[serde(default)]
+    pub precision: crate::precision::Precision,
+    #[serde(default)]
+    pub skipped_steps: u64,
 }
 
 impl GptJob {
@@ -135,6 +140,9 @@ impl GptJob {
         let tokens_per_step = (self.batch_size * n) as f64 * self.model.block_size as f64;
         let (mut step_s, mut losses) = (Vec::new(), Vec::new());
         let sent0 = ctx.group().stats().bytes_sent;
+        // fp16 needs dynamic loss scaling (PyTorch's GradScaler rules); bf16 and fp32 do not.
+        let mut scaler =
+            (ctx.scaling().precision == crate::precision::Precision::Fp16).then(crate::precision::GradScaler::default);
         // Peak RSS from here on: the training steps, not the construction of the full model.
         crate::bench::reset_peak_rss();
         // A run shorter than its warm-up still runs: it times its last step.
@@ -144,32 +152,45 @@ impl GptJob {
             ctx.group().barrier()?;
             let t0 = Instant::now();
             let cfg = StepConfig { lr: self.schedule().lr(step), grad_clip: self.grad_clip };
-            let out = ddp::train_step(&mut *dp, &mut opt, &batch, self.accum, cfg).map_err(|e| {
-                anyhow::anyhow!(
-                    "step {step}: {e} (learning rate {}; the last losses: {:.4?})",
-                    cfg.lr,
-                    &losses[losses.len().saturating_sub(4)..]
-                )
-            })?;
+            let out =
+                ddp::train_step_scaled(&mut *dp, &mut opt, &batch, self.accum, cfg, scaler.as_mut()).map_err(|e| {
+                    anyhow::anyhow!(
+                        "step {step}: {e} (learning rate {}; the last losses: {:.4?})",
+                        cfg.lr,
+                        &losses[losses.len().saturating_sub(4)..]
+                    )
+                })?;
             let local = out.loss;
             let dt = t0.elapsed().as_secs_f64();
             let mut l = Tensor::from_slice(&[local]);
             ctx.group().all_reduce(&mut l, ReduceOp::Avg)?;
             let loss = l.double_value(&[0]);
-            // Every rank holds the same averaged loss, so every rank stops here together.
+            // Every rank holds the same averaged loss, so every rank stops here together. (A
+            // non-finite loss gives non-finite gradients, which the step refuses or, with fp16's
+            // loss scaler, skips: no weight took this step's update.)
             anyhow::ensure!(
                 loss.is_finite(),
-                "step {step}: the loss is {loss} — training diverged (learning rate {} too high?); the last \
-                 losses: {:.4?}. The step's update already reached the weights: nothing was saved",
+                "step {step}: the loss is {loss} — the forward overflowed or training diverged (learning rate {} \
+                 too high?{}); the last losses: {:.4?}. The step was not applied; nothing was saved",
                 cfg.lr,
+                if out.skipped {
+                    "; fp16 activations out of range, which loss scaling cannot fix: try bf16"
+                } else {
+                    ""
+                },
                 &losses[losses.len().saturating_sub(4)..]
             );
             losses.push(loss);
             if step >= warmup {
                 step_s.push(dt);
             }
-            ctx.report(json!({"step": step, "loss": loss, "lr": cfg.lr, "grad_norm": out.grad_norm, "step_s": dt,
-                              "tokens_per_s": tokens_per_step / dt}))?;
+            let mut line = json!({"step": step, "loss": loss, "lr": cfg.lr, "grad_norm": out.grad_norm, "step_s": dt,
+                                  "tokens_per_s": tokens_per_step / dt});
+            if let Some(s) = out.loss_scale {
+                line["loss_scale"] = json!(s);
+                line["skipped"] = json!(out.skipped);
+            }
+            ctx.report(line)?;
         }
         if let Some(p) = &self.save {
             // Sharded strategies hold pieces: every rank takes part in gathering the full weights.
@@ -200,6 +221,8 @@ impl GptJob {
             ddp: st,
             bytes_sent_per_step: sent_per_step,
             peak_rss_bytes: crate::bench::peak_rss_bytes(),
+            precision: ctx.scaling().precision,
+            skipped_steps: scaler.map_or(0, |s| s.skipped),
         })
     }
 
@@ -253,6 +276,11 @@ pub struct OneRun {
     /// ZeRO-3/FSDP: free each block's parameters after its forward (and recompute it in backward).
     #[serde(default = "yes")]
     pub reshard_after_forward: bool,
+    /// Compute precision and (ZeRO) gradient-reduction precision (lesson 08).
+    #[serde(default)]
+    pub precision: crate::precision::Precision,
+    #[serde(default)]
+    pub reduce_dtype: crate::precision::Precision,
 }
 
 fn yes() -> bool {
@@ -274,6 +302,8 @@ pub fn run_one_if_asked() {
         s.threads_per_worker = r.threads;
         s.activation_checkpointing = r.checkpointing;
         s.reshard_after_forward = r.reshard_after_forward;
+        s.precision = r.precision;
+        s.reduce_dtype = r.reduce_dtype;
         let out = r.job.fit(s, false, false)?;
         println!("{}", serde_json::to_string(&out)?);
         Ok(())
@@ -325,6 +355,8 @@ pub struct PyTorchOptions<'a> {
     pub env: &'a [(&'a str, &'a str)],
     /// fsdp: FSDP2's `reshard_after_forward` for the blocks (default true, as FSDP2's).
     pub reshard_after_forward: bool,
+    /// fp32, or bf16/fp16 under `torch.autocast("cpu", dtype=…)` (fp16 with a `GradScaler`).
+    pub precision: crate::precision::Precision,
 }
 
 impl Default for PyTorchOptions<'_> {
@@ -334,6 +366,7 @@ impl Default for PyTorchOptions<'_> {
             checkpointing: crate::stages::Checkpointing::None,
             env: &[],
             reshard_after_forward: true,
+            precision: crate::precision::Precision::Fp32,
         }
     }
 }
@@ -370,6 +403,7 @@ pub fn pytorch_train_with(
         .arg("--data")
         .arg(data)
         .args(if opts.reshard_after_forward { &[][..] } else { &["--no-reshard-after-forward"][..] })
+        .args(["--precision", opts.precision.name()])
         .envs(opts.env.iter().copied())
         .output()?;
     anyhow::ensure!(out.status.success(), "PyTorch run failed: {}", String::from_utf8_lossy(&out.stderr).trim());

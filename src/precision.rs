@@ -28,6 +28,15 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// `fp32`, `bf16` or `fp16` (the command-line spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
     /// The tensor kind of compute.
     pub fn kind(self) -> Kind {
         match self {

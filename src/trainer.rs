@@ -47,6 +47,7 @@ use crate::ddp::{self, DataParallel, Variant};
 use crate::launch::{is_spawned_child, spawn_with, Launch, SpawnOptions};
 use crate::model::Model;
 use crate::optim::{AdamW, AdamWConfig};
+use crate::precision::Precision;
 use crate::stages::Checkpointing;
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
@@ -108,6 +109,12 @@ pub struct ScalingConfig {
     pub blocks_per_unit: usize,
     /// Activation checkpointing: which blocks are recomputed in backward (lesson 09).
     pub activation_checkpointing: Checkpointing,
+    /// The compute precision (lesson 08): fp32, or bf16/fp16 matrix multiplies with fp32 master
+    /// weights ([`Gpt::with_precision`](crate::model::Gpt::with_precision)); ZeRO/FSDP gathers
+    /// parameters in it. fp16 also needs a loss scaler ([`GradScaler`](crate::precision::GradScaler)).
+    pub precision: Precision,
+    /// ZeRO/FSDP: the precision gradients are reduced in ([`Zero::reduce_dtype`](crate::zero::Zero::reduce_dtype)); default fp32.
+    pub reduce_dtype: Precision,
     pub comm: CommConfig,
     /// Arguments for re-executed worker processes (tests pass `--exact NAME`); default: ours.
     pub child_args: Option<Vec<String>>,
@@ -127,6 +134,8 @@ impl Default for ScalingConfig {
             reshard_after_forward: true,
             blocks_per_unit: 1,
             activation_checkpointing: Checkpointing::None,
+            precision: Precision::Fp32,
+            reduce_dtype: Precision::Fp32,
             comm: CommConfig::default(),
             child_args: None,
         }
@@ -156,13 +165,22 @@ impl<'a> TrainContext<'a> {
     }
     /// Wrap `model` for the configured strategy (every strategy broadcasts rank 0's weights to
     /// all ranks first; ZeRO/FSDP then shard them).
-    pub fn prepare_model(&self, model: Box<dyn Model + 'a>) -> anyhow::Result<Box<dyn DataParallel + 'a>> {
+    pub fn prepare_model(&self, mut model: Box<dyn Model + 'a>) -> anyhow::Result<Box<dyn DataParallel + 'a>> {
+        model.set_precision(self.scaling.precision)?;
+        let zero_only = self.scaling.strategy.zero_stage().is_none();
+        anyhow::ensure!(
+            self.scaling.reduce_dtype == Precision::Fp32 || !zero_only,
+            "reduce_dtype {:?} is a ZeRO/FSDP option; {:?} reduces the fp32 gradients it holds",
+            self.scaling.reduce_dtype,
+            self.scaling.strategy
+        );
         let mut dp: Box<dyn DataParallel + 'a> = match (self.scaling.strategy, self.scaling.strategy.zero_stage()) {
             (Strategy::Single, _) => Box::new(ddp::Single::new(self.pg, model)?),
             (Strategy::Ddp, _) => ddp::wrap(self.pg, model, self.scaling.variant, self.scaling.bucket_cap_bytes)?,
             (_, Some(stage)) => Box::new(
                 crate::zero::Zero::with_blocks_per_unit(self.pg, model, stage, self.scaling.blocks_per_unit)?
-                    .reshard_after_forward(self.scaling.reshard_after_forward),
+                    .reshard_after_forward(self.scaling.reshard_after_forward)
+                    .reduce_dtype(self.scaling.reduce_dtype),
             ),
             (s, None) => anyhow::bail!("strategy {s:?} has no wrapper"),
         };

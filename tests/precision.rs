@@ -1,5 +1,7 @@
 //! Mixed precision: the dynamic loss scaler follows PyTorch's GradScaler rules on an injected
-//! sequence of overflows, and every rank takes the same skip decision when one rank overflows.
+//! sequence of overflows, and every rank takes the same skip decision when one rank overflows;
+//! bf16/fp16 compute keeps fp32 masters; bf16 ZeRO-3 holds 16Ψ/N bytes of model states (measured)
+//! and gathers half the bytes; fp16 training skips overflowing steps on every rank together.
 
 use shardlab::prelude::*;
 
@@ -63,4 +65,196 @@ fn one_rank_overflowing_makes_every_rank_skip() {
             );
         }
     }
+}
+
+// ---- mixed-precision training (lesson 08) ----
+
+use shardlab::data::{synthetic_corpus, DistributedSampler};
+use shardlab::ddp::{self, DataParallel};
+use shardlab::model::{Gpt, GptConfig, Model};
+use shardlab::optim::AdamWConfig;
+use shardlab::zero::{Stage, Zero};
+
+fn flat(ps: &[Tensor]) -> Vec<f32> {
+    let all = Tensor::cat(&ps.iter().map(|p| p.detach().to_kind(Kind::Float).reshape([-1])).collect::<Vec<_>>(), 0);
+    Vec::<f32>::try_from(&all).unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+}
+
+/// bf16 autocast-style: the matmuls really run in bf16 (the logits come out bf16), the parameters
+/// and their gradients stay fp32, and the loss is close to fp32's but not equal to it.
+#[test]
+fn bf16_computes_the_matmuls_in_bf16_and_keeps_fp32_masters() {
+    let data = synthetic_corpus(4000, 7);
+    let batch = DistributedSampler::new(16, 8, 0, 1, 2).unwrap().batch(&data, 0);
+    let losses = |p: Precision| {
+        let m = Gpt::new(GptConfig::tiny(), 5).unwrap().with_precision(p);
+        let logits = m.logits(&batch.x);
+        let loss = m.loss(&batch);
+        loss.backward();
+        let grads: Vec<Tensor> = m.parameters().iter().map(|p| p.grad()).collect();
+        (logits.kind(), loss.double_value(&[]), m.parameters()[0].kind(), grads[2].kind(), flat(&grads))
+    };
+    let (k32, l32, _, _, g32) = losses(Precision::Fp32);
+    for p in [Precision::Bf16, Precision::Fp16] {
+        let (k, l, pk, gk, g) = losses(p);
+        assert_eq!(k, p.kind(), "{p:?}: the logits come from a {p:?} matmul");
+        assert_eq!((pk, gk), (Kind::Float, Kind::Float), "{p:?}: parameters and gradients stay fp32");
+        assert!(l != l32 && (l - l32).abs() < 0.02, "{p:?}: loss {l} vs fp32 {l32}: close, and not the same numbers");
+        let d = max_diff(&g, &g32);
+        assert!(d > 0.0 && d < 2e-2, "{p:?}: gradients differ from fp32's by {d}");
+    }
+    assert_eq!(k32, Kind::Float);
+}
+
+/// ZeRO-3 in bf16 (FSDP2's param_dtype = bf16, reduce_dtype = fp32): the model states a rank
+/// keeps between steps are 16 bytes per parameter over N — the f32 master shard (4), the f32
+/// gradient shard (4), AdamW's m and v (8) — measured from the tensors held, padding aside; the
+/// gathered units are bf16, so the transient peak halves; the all-gathers send half the bytes;
+/// with reduce_dtype = bf16 the reduce-scatters do too.
+#[test]
+fn bf16_zero3_holds_16_bytes_per_parameter_over_n_and_gathers_half_the_bytes() {
+    let cfg = GptConfig { n_layer: 12, ..GptConfig::tiny() };
+    let n = 4usize;
+    let out = spawn(n, Backend::Local, move |pg| {
+        let mut v = Vec::new();
+        for (p, reduce) in
+            [(Precision::Fp32, Precision::Fp32), (Precision::Bf16, Precision::Fp32), (Precision::Bf16, Precision::Bf16)]
+        {
+            let model = Gpt::new(cfg, 1)?.with_precision(p);
+            let mut opt = AdamW::new(AdamWConfig { lr: 1e-3, ..AdamWConfig::default() });
+            let mut z = Zero::new(pg, Box::new(model), Stage::Three)?.reduce_dtype(reduce);
+            let b = DistributedSampler::new(16, 8, pg.rank(), n, 0)?.batch(&synthetic_corpus(4000, 7), 0);
+            ddp::train_step(&mut z, &mut opt, &b, 1, StepConfig::lr(1e-3))?; // warm-up: AdamW state exists
+            let sent0 = pg.stats().bytes_sent;
+            let out = ddp::train_step(&mut z, &mut opt, &b, 1, StepConfig::lr(1e-3))?;
+            let sent = pg.stats().bytes_sent - sent0;
+            let held_by_model = shardlab::memory::held_bytes(&z.model().parameters());
+            v.push((z.memory(&opt), sent, held_by_model, out.loss, z.stats().bytes));
+        }
+        Ok(v)
+    })
+    .unwrap();
+    let psi = cfg.num_params() as f64;
+    let units = 1.0 + cfg.n_layer as f64;
+    let nf = n as f64;
+    for (rank, runs) in out.iter().enumerate() {
+        let (m32, sent32, _, loss32, _) = runs[0];
+        let (m16, sent16, held16, loss16, red16) = runs[1];
+        let (m_bb, sent_bb, _, _, red_bb) = runs[2];
+        let states = (m16.params + m16.grads + m16.optim) as f64;
+        assert!(
+            (states - 16.0 * psi / nf).abs() <= units * 16.0 * nf,
+            "rank {rank}: bf16 ZeRO-3 holds {states} bytes of model states; 16Ψ/N = {}",
+            16.0 * psi / nf
+        );
+        assert_eq!(held16, 0, "rank {rank}: no gathered bf16 unit may outlive the step");
+        // The transient peak is gathered units plus flat gradients in flight: bf16 units alone
+        // take it part of the way down, bf16 units and bf16 gradients halve it.
+        let r16 = m16.peak_transient as f64 / m32.peak_transient as f64;
+        let r_bb = m_bb.peak_transient as f64 / m32.peak_transient as f64;
+        assert!(r16 > 0.55 && r16 < 0.9, "rank {rank}: bf16 units: peak transient {r16} of fp32's");
+        assert!((0.45..0.55).contains(&r_bb), "rank {rank}: bf16 units and gradients: peak transient {r_bb} of fp32's");
+        // fp32 ZeRO-3 sends 2 gathers (4 B) + 1 reduce-scatter (4 B) per block unit: 12 B; bf16
+        // gathers make it 2·2 + 4 = 8 B (root gathered once: a little more than 2/3); bf16 reductions 6 B.
+        let r = sent16 as f64 / sent32 as f64;
+        assert!((0.6..0.72).contains(&r), "rank {rank}: bf16 all-gathers: bytes sent {sent16} vs fp32 {sent32} ({r})");
+        let r = sent_bb as f64 / sent32 as f64;
+        assert!((0.48..0.52).contains(&r), "rank {rank}: bf16 gathers and reductions: {sent_bb} vs {sent32} ({r})");
+        assert_eq!(red_bb * 2, red16, "rank {rank}: bf16 reduce-scatters carry half the bytes");
+        assert!((loss16 - loss32).abs() < 0.02, "rank {rank}: bf16 loss {loss16} vs fp32 {loss32}");
+    }
+}
+
+/// ZeRO-1/2/3 in bf16 all compute with the same bf16 parameters and reduce in fp32: with SGD they
+/// take the same steps (stage 3 with and without resharding after forward).
+#[test]
+fn bf16_zero_stages_agree_with_each_other() {
+    let cases = [(Stage::One, true), (Stage::Two, true), (Stage::Three, true), (Stage::Three, false)];
+    let out = spawn(2, Backend::Local, move |pg| {
+        let mut v = Vec::new();
+        for (st, reshard) in cases {
+            let m = Gpt::new(GptConfig::tiny(), 5)?.with_precision(Precision::Bf16);
+            let mut z = Zero::new(pg, Box::new(m), st)?.reshard_after_forward(reshard);
+            let s = DistributedSampler::new(16, 8, pg.rank(), 2, 2)?;
+            for step in 0..3 {
+                ddp::train_step(&mut z, &mut Sgd, &s.batch(&synthetic_corpus(4000, 7), step), 2, StepConfig::lr(0.5))?;
+            }
+            v.push(flat(&z.full_parameters()?));
+        }
+        Ok(v)
+    })
+    .unwrap();
+    for (rank, per) in out.iter().enumerate() {
+        for (i, got) in per.iter().enumerate().skip(1) {
+            let d = max_diff(got, &per[0]);
+            assert!(d < 1e-6, "rank {rank}: bf16 {:?} differs from bf16 ZeRO-1 by {d}", cases[i]);
+        }
+    }
+}
+
+/// fp16 with a loss scale far too large: the first steps overflow, every rank skips them together
+/// (no weight changes), the scale halves each time, and training then proceeds — for DDP and ZeRO-3.
+#[test]
+fn fp16_overflowing_steps_are_skipped_on_every_rank_and_the_scale_backs_off() {
+    let out = spawn(2, Backend::Local, |pg| {
+        let mut v = Vec::new();
+        for zero in [false, true] {
+            let m = Gpt::new(GptConfig::tiny(), 5)?.with_precision(Precision::Fp16);
+            let mut dp: Box<dyn DataParallel> = if zero {
+                Box::new(Zero::new(pg, Box::new(m), Stage::Three)?)
+            } else {
+                ddp::wrap(pg, Box::new(m), ddp::Variant::Bucketed, ddp::DEFAULT_BUCKET_CAP_BYTES)?
+            };
+            let mut opt = AdamW::new(AdamWConfig { lr: 1e-3, ..AdamWConfig::default() });
+            let mut scaler = GradScaler::new(2f64.powi(40));
+            let s = DistributedSampler::new(16, 8, pg.rank(), 2, 2)?;
+            let mut trace = Vec::new();
+            for step in 0..40 {
+                let before = flat(&dp.full_parameters()?);
+                let o = ddp::train_step_scaled(
+                    &mut *dp,
+                    &mut opt,
+                    &s.batch(&synthetic_corpus(4000, 7), step),
+                    1,
+                    StepConfig::lr(1e-3),
+                    Some(&mut scaler),
+                )?;
+                let moved = max_diff(&before, &flat(&dp.full_parameters()?)) > 0.0;
+                trace.push((o.skipped, o.loss_scale.unwrap(), moved, o.grad_norm.is_finite()));
+            }
+            v.push((trace, scaler.skipped, scaler.scale()));
+        }
+        Ok(v)
+    })
+    .unwrap();
+    assert_eq!(out[0], out[1], "both ranks must take the same skip decisions");
+    for (trace, skipped, scale) in &out[0] {
+        assert!(*skipped >= 3 && *skipped < 40, "overflow steps skipped: {skipped}");
+        assert!(*scale < 2f64.powi(40) / 4.0, "the scale backed off to {scale}");
+        for (k, &(skip, s, moved, finite)) in trace.iter().enumerate() {
+            assert_eq!(skip, !moved, "step {k}: a skipped step must not move the weights, a taken one must");
+            assert_eq!(skip, !finite, "step {k}: a skipped step reports a non-finite norm");
+            if k > 0 {
+                let (prev_skip, prev_s, ..) = trace[k - 1];
+                assert_eq!(
+                    s,
+                    if prev_skip { prev_s / 2.0 } else { prev_s },
+                    "step {k}: the scale after step {}",
+                    k - 1
+                );
+            }
+        }
+        assert!(trace.iter().any(|t| !t.0), "training must get past the overflows");
+    }
+}
+
+#[test]
+fn the_mlp_refuses_mixed_precision_with_a_clear_error() {
+    let mut m = shardlab::model::Mlp::new(shardlab::model::MlpConfig { sizes: vec![4, 8, 2] }, 0).unwrap();
+    let e = m.set_precision(Precision::Bf16).unwrap_err().to_string();
+    assert!(e.contains("fp32 only"), "{e}");
 }

@@ -95,6 +95,8 @@ fn main() -> anyhow::Result<()> {
             threads: Some(1),
             checkpointing: Checkpointing::None,
             reshard_after_forward: true,
+            precision: shardlab::precision::Precision::Fp32,
+            reduce_dtype: shardlab::precision::Precision::Fp32,
         })?;
         let name = format!("{strategy:?}").to_lowercase();
         let exposed_ms = r.exposed_comm_s / a.steps as f64 * 1e3;

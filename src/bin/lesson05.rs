@@ -75,6 +75,8 @@ fn main() -> anyhow::Result<()> {
         threads: Some(1),
         checkpointing: Checkpointing::None,
         reshard_after_forward: true,
+        precision: shardlab::precision::Precision::Fp32,
+        reduce_dtype: shardlab::precision::Precision::Fp32,
     };
     let sizes: Vec<usize> = cfg.param_shapes().iter().map(|(_, s)| 4 * s.iter().product::<i64>() as usize).collect();
     let mut rows = Vec::new();

@@ -57,6 +57,8 @@ fn main() -> anyhow::Result<()> {
         threads: Some(1),
         checkpointing: Checkpointing::None,
         reshard_after_forward: true,
+        precision: shardlab::precision::Precision::Fp32,
+        reduce_dtype: shardlab::precision::Precision::Fp32,
     };
     let runs: Vec<(Strategy, RunSummary)> = [Strategy::Ddp, Strategy::Fsdp]
         .into_iter()

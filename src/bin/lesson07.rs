@@ -84,6 +84,8 @@ fn main() -> anyhow::Result<()> {
             threads: Some(1),
             checkpointing: Checkpointing::None,
             reshard_after_forward: true,
+            precision: shardlab::precision::Precision::Fp32,
+            reduce_dtype: shardlab::precision::Precision::Fp32,
         })?;
         let m = r.memory;
         let rss = r.peak_rss_bytes.unwrap_or(0) as f64;

@@ -49,6 +49,13 @@ struct Args {
     /// unit per step instead of two, no recompute; the full parameters stay alive meanwhile).
     #[arg(long)]
     no_reshard_after_forward: bool,
+    /// Compute precision: fp32, bf16 (matrix multiplies in bfloat16, fp32 master weights, residual
+    /// stream and loss) or fp16 (the same in float16, with dynamic loss scaling).
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: Precision,
+    /// ZeRO/FSDP: the precision gradients are reduced in (fp32, or bf16/fp16: half the bytes).
+    #[arg(long, value_enum, default_value = "fp32")]
+    reduce_dtype: Precision,
     #[arg(long, default_value_t = 4)]
     n_layer: i64,
     #[arg(long, default_value_t = 4)]
@@ -200,6 +207,8 @@ fn main() -> anyhow::Result<()> {
     scaling.blocks_per_unit = args.unit_blocks;
     scaling.reshard_after_forward = !args.no_reshard_after_forward;
     scaling.activation_checkpointing = args.activation_checkpointing;
+    scaling.precision = args.precision;
+    scaling.reduce_dtype = args.reduce_dtype;
     let s = args.job().fit(scaling, !args.json, args.json)?;
     if args.json {
         let mut v = serde_json::to_value(&s)?;
@@ -208,10 +217,11 @@ fn main() -> anyhow::Result<()> {
         println!("{v}");
     } else {
         println!(
-            "{} × {}{}: {} params, final loss {:.4}, {:.0} tokens/s (median step {:.1} ms); communication {:.2} s, {:.0}% hidden",
+            "{} × {}{} {}: {} params, final loss {:.4}, {:.0} tokens/s (median step {:.1} ms); communication {:.2} s, {:.0}% hidden",
             s.strategy,
             s.world_size,
             s.variant.as_deref().map(|v| format!(" ({v})")).unwrap_or_default(),
+            s.precision.name(),
             s.params,
             s.final_loss,
             s.tokens_per_s,
@@ -224,6 +234,9 @@ fn main() -> anyhow::Result<()> {
                 "(throughput from {} timed step(s) after warm-up: rough; run more --steps than --warmup {} for a median)",
                 s.measured_steps, args.warmup
             );
+        }
+        if s.skipped_steps > 0 {
+            println!("fp16: {} step(s) skipped by the loss scaler (gradient overflow)", s.skipped_steps);
         }
         if let Some(p) = &args.save {
             println!("saved {}", p.display());

@@ -21,6 +21,7 @@ use crate::comm::{CommError, CommResult, ProcessGroup};
 use crate::memory::{held_bytes, MemoryStats};
 use crate::model::{Batch, Model};
 use crate::optim::{self, Decay, Optimizer, StepConfig};
+use crate::precision::GradScaler;
 use crate::stages::{forward_backward, AccumulateGrads, Checkpointing};
 use serde::{Deserialize, Serialize};
 
@@ -92,6 +93,18 @@ pub trait DataParallel {
     fn set_checkpointing(&mut self, policy: Checkpointing);
     /// Timings and volumes so far.
     fn stats(&self) -> DdpStats;
+    /// The gradients this rank holds for the next step, after a synchronised backward: the
+    /// parameters' `.grad` (replicated strategies, averaged, whole) or this rank's gradient shards
+    /// (ZeRO). A loss scaler unscales and checks these ([`GradScaler::unscale_and_check`](crate::precision::GradScaler::unscale_and_check)).
+    fn grads(&self) -> Vec<tch::Tensor> {
+        crate::model::grads(&self.model().parameters())
+    }
+    /// Zero the gradients without stepping (a skipped step).
+    fn zero_grads(&mut self) {
+        for g in self.grads() {
+            let _ = g.detach().zero_();
+        }
+    }
     /// Copies of the full parameters, in `named_parameters` order, on every rank (a collective
     /// for sharded strategies: call it on all ranks).
     fn full_parameters(&self) -> CommResult<Vec<tch::Tensor>> {
@@ -207,10 +220,17 @@ pub fn scale_grads(grads: &[tch::Tensor], c: f64) {
 pub struct StepOutput {
     /// This rank's mean loss over its batch.
     pub loss: f64,
-    /// The global gradient norm before clipping (as llm.c and nanoGPT print it).
+    /// The global gradient norm before clipping (as llm.c and nanoGPT print it); with a loss
+    /// scaler, of the unscaled gradients (infinite on a skipped step).
     pub grad_norm: f64,
     /// The learning rate the step used.
     pub lr: f64,
+    /// With a loss scaler (fp16): the scale this step's backward used, and whether the step was
+    /// skipped because some rank's gradients overflowed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    #[serde(default)]
+    pub skipped: bool,
 }
 
 /// One optimizer step of data-parallel training on this rank's `batch`, cut into `accum`
@@ -230,17 +250,57 @@ pub fn train_step(
             "gradient accumulation over {accum} micro-batches needs 1..={rows} (the rows of this rank's batch)"
         )));
     }
+    train_step_scaled(dp, opt, batch, accum, cfg, None)
+}
+
+/// [`train_step`] with dynamic loss scaling when `scaler` is given (fp16, lesson 08), PyTorch's
+/// `scaler.scale(loss).backward(); scaler.unscale_(opt); clip; scaler.step(opt); scaler.update()`:
+/// every backward runs on the loss times the scale S; then the gradients are divided by S and
+/// checked for inf/NaN on every rank at once ([`GradScaler::unscale_and_check`]); on an overflow
+/// anywhere every rank zeroes its gradients and skips the step (`skipped`, a non-finite
+/// `grad_norm`), else the step is taken; then the scale is updated (halved on overflow, doubled
+/// after `growth_interval` clean steps).
+pub fn train_step_scaled(
+    dp: &mut dyn DataParallel,
+    opt: &mut dyn Optimizer,
+    batch: &Batch,
+    accum: i64,
+    cfg: StepConfig,
+    scaler: Option<&mut GradScaler>,
+) -> CommResult<StepOutput> {
+    let rows = batch.len();
+    if accum < 1 || accum > rows {
+        return Err(CommError::InvalidArgument(format!(
+            "gradient accumulation over {accum} micro-batches needs 1..={rows} (the rows of this rank's batch)"
+        )));
+    }
+    let s = scaler.as_ref().map_or(1.0, |sc| sc.scale());
     let mut loss = 0.0;
     let parts = micro_batches(rows, accum);
     for (i, &(lo, hi)) in parts.iter().enumerate() {
         let share = (hi - lo) as f64 / rows as f64;
         dp.set_require_sync(i + 1 == parts.len());
-        let r = dp.backward(&batch.rows(lo, hi), share);
+        let r = dp.backward(&batch.rows(lo, hi), share * s);
         dp.set_require_sync(true);
         loss += r? * share;
     }
-    let grad_norm = dp.step(opt, cfg.lr, cfg.grad_clip)?;
-    Ok(StepOutput { loss, grad_norm, lr: cfg.lr })
+    let Some(scaler) = scaler else {
+        let grad_norm = dp.step(opt, cfg.lr, cfg.grad_clip)?;
+        return Ok(StepOutput { loss, grad_norm, lr: cfg.lr, loss_scale: None, skipped: false });
+    };
+    if dp.unsynced() {
+        // Let step refuse it, with its message, before the scaler touches anything.
+        dp.step(opt, cfg.lr, cfg.grad_clip)?;
+    }
+    let found_inf = scaler.unscale_and_check(dp.group(), &dp.grads())?;
+    let (grad_norm, skipped) = if found_inf {
+        dp.zero_grads();
+        (f64::INFINITY, true)
+    } else {
+        (dp.step(opt, cfg.lr, cfg.grad_clip)?, false)
+    };
+    scaler.update(found_inf);
+    Ok(StepOutput { loss, grad_norm, lr: cfg.lr, loss_scale: Some(s), skipped })
 }
 
 /// No data parallelism: one process on the stage runner, the gradients of a plain `loss.backward()`

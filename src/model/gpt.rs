@@ -8,6 +8,7 @@
 //! Shapes: B batch, T sequence (≤ block_size), C = n_embd, nh = n_head, hs = C/nh, V = vocab.
 
 use super::{Batch, Model};
+use crate::precision::Precision;
 use crate::rng::Rng;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
@@ -86,6 +87,7 @@ pub struct Gpt {
     pub cfg: GptConfig,
     vs: nn::VarStore,
     params: Vec<(String, Tensor)>,
+    precision: Precision,
 }
 
 const LN_EPS: f64 = 1e-5;
@@ -120,7 +122,38 @@ impl Gpt {
             let t = path.var_copy(parts[parts.len() - 1], &init);
             params.push((name, t));
         }
-        Ok(Gpt { cfg, vs, params })
+        Ok(Gpt { cfg, vs, params, precision: Precision::Fp32 })
+    }
+
+    /// Compute the matrix multiplies (the linear layers, attention and the logits) in `precision`,
+    /// as `torch.autocast` does: their inputs and weights are cast to bf16/fp16 at each use (the
+    /// cast is on autograd's tape, so an fp32 parameter gets an fp32 gradient), while the
+    /// embeddings, the residual stream, LayerNorm and the loss stay in fp32 (an fp32 + bf16 add
+    /// promotes to fp32; the logits are upcast before the cross-entropy). Parameters that are
+    /// already in the compute kind (ZeRO gathering them in bf16, FSDP2's `param_dtype`) are used
+    /// as they are, and get gradients in that kind.
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// The cast of the autocast-style linear: `x` and the weights in the compute kind.
+    fn cast(&self, t: &Tensor) -> Tensor {
+        t.to_kind(self.precision.kind())
+    }
+
+    /// `x · wᵀ + b` in the compute kind.
+    fn lin(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+        match self.precision {
+            Precision::Fp32 => x.linear(w, Some(b)),
+            _ => self.cast(x).linear(&self.cast(w), Some(self.cast(b))),
+        }
+    }
+
+    /// LayerNorm over the last dimension, in the input's kind (the residual stream's: fp32).
+    fn ln(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+        let k = x.kind();
+        x.layer_norm([self.cfg.n_embd], Some(w.to_kind(k)), Some(b.to_kind(k)), LN_EPS, false)
     }
 
     fn p(&self, i: usize) -> &Tensor {
@@ -138,7 +171,8 @@ impl Gpt {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size {}", self.cfg.block_size);
         let pos = Tensor::arange(t, (Kind::Int64, Device::Cpu));
         let tok = Tensor::embedding(self.p(0), idx, -1, false, false); // (B, T, C)
-        tok + Tensor::embedding(self.p(1), &pos, -1, false, false) // + (T, C)
+        let x = tok + Tensor::embedding(self.p(1), &pos, -1, false, false); // + (T, C)
+        x.to_kind(Kind::Float) // the residual stream is fp32 whatever the compute precision
     }
 
     /// Block `l`: x + attn(ln_1(x)), then + mlp(ln_2(·)). (B, T, C) → (B, T, C).
@@ -147,8 +181,8 @@ impl Gpt {
         let w = |i: usize| self.p(b0 + i);
         let (b, t, c) = x.size3().expect("(B, T, C)");
         let (nh, hs) = (self.cfg.n_head, c / self.cfg.n_head);
-        let h = x.layer_norm([c], Some(w(0)), Some(w(1)), LN_EPS, false);
-        let qkv = h.linear(w(2), Some(w(3))); // (B, T, 3C)
+        let h = self.ln(x, w(0), w(1));
+        let qkv = self.lin(&h, w(2), w(3)); // (B, T, 3C), in the compute kind
         let heads = |i: i64| qkv.narrow(2, i * c, c).view([b, t, nh, hs]).transpose(1, 2); // (B, nh, T, hs)
         let y = Tensor::scaled_dot_product_attention::<Tensor>(
             &heads(0),
@@ -160,24 +194,34 @@ impl Gpt {
             None,
             false,
         );
-        let y = y.transpose(1, 2).contiguous().view([b, t, c]).linear(w(4), Some(w(5)));
-        let x = x + y;
-        let h = x.layer_norm([c], Some(w(6)), Some(w(7)), LN_EPS, false);
-        let m = h.linear(w(8), Some(w(9))).gelu("none").linear(w(10), Some(w(11)));
+        let y = self.lin(&y.transpose(1, 2).contiguous().view([b, t, c]), w(4), w(5));
+        let x = x + y; // fp32 + compute kind → fp32
+        let h = self.ln(&x, w(6), w(7));
+        let m = self.lin(&self.lin(&h, w(8), w(9)).gelu("none"), w(10), w(11));
         x + m
     }
 
     /// Final LayerNorm and tied lm_head: (B, T, C) → logits (B, T, V).
     pub fn head(&self, x: &Tensor) -> Tensor {
         let n = self.params.len();
-        let c = self.cfg.n_embd;
-        x.layer_norm([c], Some(self.p(n - 2)), Some(self.p(n - 1)), LN_EPS, false).linear::<Tensor>(self.p(0), None)
+        let h = self.ln(x, self.p(n - 2), self.p(n - 1));
+        match self.precision {
+            Precision::Fp32 => h.linear::<Tensor>(self.p(0), None),
+            _ => self.cast(&h).linear::<Tensor>(&self.cast(self.p(0)), None),
+        }
     }
 
     /// Mean cross-entropy of `logits` (B, T, V) against `targets` (B, T); target −1 is ignored.
+    /// Computed in fp32 (bf16/fp16 logits are upcast first).
     pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
         let v = *logits.size().last().expect("logits");
-        logits.view([-1, v]).cross_entropy_loss::<Tensor>(&targets.view([-1]), None, tch::Reduction::Mean, -1, 0.0)
+        logits.to_kind(Kind::Float).view([-1, v]).cross_entropy_loss::<Tensor>(
+            &targets.view([-1]),
+            None,
+            tch::Reduction::Mean,
+            -1,
+            0.0,
+        )
     }
 
     /// Logits for a (B, T) batch of ids.
@@ -242,6 +286,13 @@ impl Gpt {
 }
 
 impl Model for Gpt {
+    fn precision(&self) -> Precision {
+        self.precision
+    }
+    fn set_precision(&mut self, precision: Precision) -> anyhow::Result<()> {
+        self.precision = precision;
+        Ok(())
+    }
     fn var_store(&self) -> &nn::VarStore {
         &self.vs
     }

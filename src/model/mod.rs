@@ -43,6 +43,19 @@ pub trait Model: Send {
     /// Parameters with their names, in registration order (the order of PyTorch's
     /// `named_parameters()`); tied parameters appear once.
     fn named_parameters(&self) -> Vec<(String, Tensor)>;
+    /// The precision the forward computes in ([`Gpt::with_precision`]); default fp32. The
+    /// parameters the model holds are fp32 whatever it is (the master weights).
+    fn precision(&self) -> crate::precision::Precision {
+        crate::precision::Precision::Fp32
+    }
+    /// Compute in `precision` from now on (lesson 08). Default: only fp32 is supported.
+    fn set_precision(&mut self, precision: crate::precision::Precision) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            precision == crate::precision::Precision::Fp32,
+            "this model computes in fp32 only, not {precision:?} (mixed precision is for the GPT)"
+        );
+        Ok(())
+    }
     /// Number of forward stages.
     fn num_stages(&self) -> usize;
     /// Forward of stage `s`: `x` is the previous stage's output (ignored by stage 0, which reads

@@ -117,6 +117,12 @@ struct Core<'a> {
     checkpointing: Checkpointing,
     /// This backward reduces gradients (stage 1 inside `no_sync` does not).
     sync: bool,
+    /// The kind of the working parameters (the model's compute precision; FSDP2's `param_dtype`):
+    /// what units are gathered in (stage 3) or kept whole in (stages 1–2). The shards the
+    /// optimizer steps — the master weights — are f32 whatever it is.
+    param_kind: Kind,
+    /// The kind gradients are accumulated and reduced in (FSDP2's `reduce_dtype`; f32 by default).
+    reduce_kind: Kind,
     /// Why a step now would be wrong (the last backward was not synchronised, or failed).
     step_blocked: Option<&'static str>,
     /// Reductions started by this backward, not yet waited for.
@@ -168,6 +174,7 @@ impl<'a> Zero<'a> {
         let stages = model.param_stages();
         let plan = unit_plan(&stages, model.num_stages(), blocks_per_unit);
         let (n, rank) = (pg.world_size(), pg.rank());
+        let param_kind = model.precision().kind();
         let mut unit_of = vec![0; params.len()];
         let mut units = Vec::new();
         for (u, idx) in plan.into_iter().enumerate() {
@@ -178,10 +185,18 @@ impl<'a> Zero<'a> {
             let (full, shard) = if stage == Stage::Three {
                 tch::no_grad(|| idx.iter().for_each(|&i| params[i].set_data(&empty())));
                 (None, flat.narrow(0, r.start, r.end - r.start).copy())
-            } else {
+            } else if param_kind == Kind::Float {
                 tch::no_grad(|| idx.iter().enumerate().for_each(|(j, &i)| params[i].set_data(&layout.view(&flat, j))));
                 let shard = flat.narrow(0, r.start, r.end - r.start);
                 (Some(flat), shard)
+            } else {
+                // Mixed precision: the whole parameters in the compute kind (what forward reads),
+                // this rank's f32 master shard apart (what the optimizer steps).
+                let working = flat.to_kind(param_kind);
+                tch::no_grad(|| {
+                    idx.iter().enumerate().for_each(|(j, &i)| params[i].set_data(&layout.view(&working, j)))
+                });
+                (Some(working), flat.narrow(0, r.start, r.end - r.start).copy())
             };
             let mut mask = vec![0f32; layout.shard as usize];
             for (i, _within, in_shard) in layout.shard_pieces(rank) {
@@ -221,6 +236,8 @@ impl<'a> Zero<'a> {
                 reshard_after_forward: true,
                 checkpointing: Checkpointing::None,
                 sync: true,
+                param_kind,
+                reduce_kind: Kind::Float,
                 step_blocked: None,
                 reductions: Vec::new(),
             },
@@ -237,6 +254,15 @@ impl<'a> Zero<'a> {
     /// its backward.
     pub fn reshard_after_forward(mut self, on: bool) -> Self {
         self.z.reshard_after_forward = on;
+        self
+    }
+
+    /// The precision gradients are accumulated and reduced in (FSDP2's `reduce_dtype`): fp32
+    /// (default; gradients computed in bf16 are upcast before they are summed) or bf16/fp16 (half
+    /// the bytes on the wire, and a sum of N rounded values). The gradient shards the optimizer
+    /// reads are f32 either way.
+    pub fn reduce_dtype(mut self, precision: crate::precision::Precision) -> Self {
+        self.z.reduce_kind = precision.kind();
         self
     }
 
@@ -258,11 +284,15 @@ impl Core<'_> {
         if self.stage != Stage::Three || self.units[u].full.is_some() || self.pending.iter().any(|(p, _)| *p == u) {
             return Ok(());
         }
-        let out = Tensor::empty([self.units[u].layout.padded], (Kind::Float, tch::Device::Cpu));
-        self.track(4 * self.units[u].layout.padded);
-        // (padded,) f32 from N shards. The shard is a parameter the optimizer writes only after
-        // every gather of the step has been waited on, so the op may read it through this alias.
-        let w = self.pg.all_gather_async(out, self.units[u].shard.shallow_clone())?;
+        let kind = self.param_kind;
+        let out = Tensor::empty([self.units[u].layout.padded], (kind, tch::Device::Cpu));
+        self.track(kind.elt_size_in_bytes() as i64 * self.units[u].layout.padded);
+        // (padded,) in the compute kind from N shards (bf16: half the bytes of f32). The shard is
+        // a parameter the optimizer writes only after every gather of the step has been waited
+        // on, so the op may read it through this alias (or a bf16 copy of it).
+        let input =
+            if kind == Kind::Float { self.units[u].shard.shallow_clone() } else { self.units[u].shard.to_kind(kind) };
+        let w = self.pg.all_gather_async(out, input)?;
         self.pending.push((u, w));
         Ok(())
     }
@@ -295,7 +325,7 @@ impl Core<'_> {
         let unit = &mut self.units[u];
         tch::no_grad(|| unit.params.iter().for_each(|&i| self.params[i].set_data(&empty())));
         unit.full = None;
-        let bytes = 4 * unit.layout.padded;
+        let bytes = self.param_kind.elt_size_in_bytes() as i64 * unit.layout.padded;
         self.track(-bytes);
     }
 
@@ -347,6 +377,10 @@ impl DataParallel for Zero<'_> {
     fn set_require_sync(&mut self, on: bool) {
         self.z.require_sync = on;
     }
+    /// The last backward was not synchronised, or failed: a step now is refused.
+    fn unsynced(&self) -> bool {
+        self.z.step_blocked.is_some()
+    }
     fn stats(&self) -> DdpStats {
         self.z.stats
     }
@@ -376,12 +410,23 @@ impl DataParallel for Zero<'_> {
         }
     }
 
+    /// This rank's gradient shards (f32, averaged over the group), one per unit.
+    fn grads(&self) -> Vec<Tensor> {
+        self.z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect()
+    }
+
+    fn zero_grads(&mut self) {
+        for u in &mut self.z.units {
+            let _ = u.grad_shard.zero_();
+        }
+    }
+
     fn full_parameters(&self) -> CommResult<Vec<Tensor>> {
         let mut out: Vec<Option<Tensor>> = (0..self.z.params.len()).map(|_| None).collect();
         for u in &self.z.units {
             let full = match &u.full {
-                Some(f) => f.shallow_clone(),
-                None => {
+                Some(f) if f.kind() == Kind::Float => f.shallow_clone(),
+                _ => {
                     let mut f = u.layout.zeros();
                     self.z.pg.all_gather(&mut f, &u.shard)?;
                     f
@@ -442,7 +487,8 @@ impl DataParallel for Zero<'_> {
                 // The output buffer contains the shard: gather from a copy. The full buffer stays
                 // in the unit (the parameters are views of it); nothing reads or writes them until
                 // every gather below has been waited on.
-                let input = u.shard.copy();
+                // (shard,) in the compute kind: a copy either way.
+                let input = if z.param_kind == Kind::Float { u.shard.copy() } else { u.shard.to_kind(z.param_kind) };
                 let full = u.full.as_ref().expect("stages 1-2 keep full parameters").shallow_clone();
                 match z.pg.all_gather_async(full, input) {
                     Ok(w) => works.push(w),
@@ -475,7 +521,7 @@ impl Core<'_> {
         self.stats.exposed_s += t0.elapsed().as_secs_f64();
         let (out, t) = r?;
         self.stats.comm_s += (t.finished - t.started).as_secs_f64();
-        self.stats.bytes += (out.numel() * 4) as u64;
+        self.stats.bytes += (out.numel() * out.kind().elt_size_in_bytes()) as u64;
         if apply {
             let _ = self.units[u].grad_shard.g_add_(&out);
             if self.stage == Stage::One {
@@ -484,7 +530,7 @@ impl Core<'_> {
                 }
             } else {
                 self.units[u].grad_full = None; // stages 2-3 keep only the shard
-                let b = 4 * self.units[u].layout.padded;
+                let b = self.reduce_kind.elt_size_in_bytes() as i64 * self.units[u].layout.padded;
                 self.track(-b);
             }
         }
@@ -585,9 +631,10 @@ impl StageHooks for Core<'_> {
             let u = self.unit_of[i];
             let j = self.units[u].params.iter().position(|&p| p == i).expect("param in its unit");
             if self.units[u].grad_full.is_none() {
-                self.units[u].grad_full = Some(self.units[u].layout.zeros());
+                let (padded, kind) = (self.units[u].layout.padded, self.reduce_kind);
+                self.units[u].grad_full = Some(Tensor::zeros([padded], (kind, tch::Device::Cpu)));
                 if self.stage != Stage::One {
-                    let b = 4 * self.units[u].layout.padded; // stage 1 keeps it: not transient
+                    let b = kind.elt_size_in_bytes() as i64 * padded; // stage 1 keeps it: not transient
                     self.track(b);
                 }
             }
@@ -612,8 +659,8 @@ impl StageHooks for Core<'_> {
                 continue;
             }
             let Some(gf) = self.units[u].grad_full.as_ref() else { continue };
-            let out = Tensor::empty([self.units[u].layout.shard], (Kind::Float, tch::Device::Cpu));
-            // (shard,) of grads averaged over dp. The unit keeps its full gradient (freed or
+            let out = Tensor::empty([self.units[u].layout.shard], (self.reduce_kind, tch::Device::Cpu));
+            // (shard,) of grads averaged over dp, in the reduce kind. The unit keeps its full gradient (freed or
             // zeroed in finish_reduction, after the wait); the op reads it through this alias.
             let w = self.pg.reduce_scatter_async(out, gf.shallow_clone(), ReduceOp::Avg)?;
             self.reductions.push((u, w));
