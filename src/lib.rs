@@ -22,6 +22,7 @@ pub mod plot;
 pub mod precision;
 pub mod rng;
 pub mod stages;
+pub mod stats;
 pub mod trainer;
 pub mod zero;
 

@@ -67,10 +67,11 @@ pub enum Strategy {
     Zero1,
     /// ZeRO stage 2: optimizer states and gradients sharded.
     Zero2,
-    /// ZeRO stage 3: optimizer states, gradients and parameters sharded.
+    /// ZeRO stage 3: optimizer states, gradients and parameters sharded — PyTorch's FSDP (lesson
+    /// 06) is this strategy, so `fsdp` is accepted as another name for it.
+    #[value(alias = "fsdp")]
+    #[serde(alias = "fsdp", alias = "Fsdp")]
     Zero3,
-    /// Fully sharded data parallel: the same mechanism as ZeRO-3.
-    Fsdp,
 }
 
 impl Strategy {
@@ -80,7 +81,7 @@ impl Strategy {
         match self {
             Strategy::Zero1 => Some(Stage::One),
             Strategy::Zero2 => Some(Stage::Two),
-            Strategy::Zero3 | Strategy::Fsdp => Some(Stage::Three),
+            Strategy::Zero3 => Some(Stage::Three),
             Strategy::Single | Strategy::Ddp => None,
         }
     }

@@ -79,8 +79,7 @@ fn main() -> anyhow::Result<()> {
         (Strategy::Ddp, a.world_size, "04–05", zero.ddp),
         (Strategy::Zero1, a.world_size, "07", zero.zero1),
         (Strategy::Zero2, a.world_size, "07", zero.zero2),
-        (Strategy::Zero3, a.world_size, "07", zero.zero3),
-        (Strategy::Fsdp, a.world_size, "06", zero.zero3),
+        (Strategy::Zero3, a.world_size, "06–07 (= FSDP)", zero.zero3),
     ];
     for (strategy, world_size, lesson, model) in rows {
         // One process takes the whole global batch: the same work per step as the N ranks together.

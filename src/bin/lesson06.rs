@@ -60,7 +60,7 @@ fn main() -> anyhow::Result<()> {
         precision: shardlab::precision::Precision::Fp32,
         reduce_dtype: shardlab::precision::Precision::Fp32,
     };
-    let runs: Vec<(Strategy, RunSummary)> = [Strategy::Ddp, Strategy::Fsdp]
+    let runs: Vec<(Strategy, RunSummary)> = [Strategy::Ddp, Strategy::Zero3]
         .into_iter()
         .map(|s| Ok((s, job::run_isolated(&one(s))?)))
         .collect::<anyhow::Result<_>>()?;
@@ -133,13 +133,13 @@ fn main() -> anyhow::Result<()> {
         let pairs = [
             Pair {
                 name: "FSDP, reshard + recompute",
-                ours: ours(true, Strategy::Fsdp),
+                ours: ours(true, Strategy::Zero3),
                 strategy: "fsdp",
                 theirs: theirs(true, Checkpointing::Full),
             },
             Pair {
                 name: "FSDP, no reshard",
-                ours: ours(false, Strategy::Fsdp),
+                ours: ours(false, Strategy::Zero3),
                 strategy: "fsdp",
                 theirs: theirs(false, Checkpointing::None),
             },

@@ -23,6 +23,7 @@ use crate::model::{Batch, Model};
 use crate::optim::{self, Decay, Optimizer, StepConfig};
 use crate::precision::GradScaler;
 use crate::stages::{forward_backward, AccumulateGrads, Checkpointing};
+pub use crate::stats::DdpStats;
 use serde::{Deserialize, Serialize};
 
 /// Which DDP implementation.
@@ -36,40 +37,6 @@ pub enum Variant {
 
 /// Default bucket cap: PyTorch DDP's `bucket_cap_mb=25`.
 pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
-
-/// Timings and volumes of the synchronised backward passes so far (this rank).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct DdpStats {
-    /// Synchronised backward passes.
-    pub syncs: u64,
-    /// Seconds spent in forward + backward compute (including the time the compute thread
-    /// spent launching communication).
-    pub compute_s: f64,
-    /// Seconds the communication itself ran (summed over all-reduces, on whichever thread ran them).
-    pub comm_s: f64,
-    /// Seconds the training thread waited for communication after its backward was done (the
-    /// part of `comm_s` that was not hidden behind compute).
-    pub exposed_s: f64,
-    /// Gradient bytes all-reduced (or reduce-scattered).
-    pub bytes: u64,
-    /// Sharded strategies: seconds the parameter all-gathers ran, and the part the training
-    /// thread waited for (the rest was hidden by prefetching).
-    #[serde(default)]
-    pub gather_s: f64,
-    #[serde(default)]
-    pub gather_exposed_s: f64,
-}
-
-impl DdpStats {
-    /// Fraction of the communication time hidden behind backward compute.
-    pub fn hidden_fraction(&self) -> f64 {
-        if self.comm_s <= 0.0 {
-            0.0
-        } else {
-            (1.0 - self.exposed_s / self.comm_s).clamp(0.0, 1.0)
-        }
-    }
-}
 
 /// A model wrapped for data-parallel training.
 pub trait DataParallel {

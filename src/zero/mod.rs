@@ -51,12 +51,13 @@ pub mod flat;
 pub mod round_trip;
 
 use crate::comm::{CommError, CommResult, ProcessGroup, ReduceOp, Work};
-use crate::ddp::{DataParallel, DdpStats};
+use crate::ddp::DataParallel;
 use crate::memory::held_bytes;
 pub use crate::memory::MemoryStats;
 use crate::model::{Batch, Model};
 use crate::optim::{self, Decay, Optimizer};
 use crate::stages::{forward_backward, Checkpointing, StageHooks};
+use crate::stats::DdpStats;
 use flat::FlatLayout;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;

@@ -1,0 +1,39 @@
+//! What every strategy reports about its communication: timings and volumes (`DdpStats`, the name
+//! it got in lesson 05). Shared by DDP and ZeRO/FSDP, as [`MemoryStats`](crate::memory::MemoryStats)
+//! is for the bytes held, so that neither strategy module depends on the other for it.
+
+use serde::{Deserialize, Serialize};
+
+/// Timings and volumes of the synchronised backward passes so far (this rank).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DdpStats {
+    /// Synchronised backward passes.
+    pub syncs: u64,
+    /// Seconds spent in forward + backward compute (including the time the compute thread
+    /// spent launching communication).
+    pub compute_s: f64,
+    /// Seconds the communication itself ran (summed over all-reduces, on whichever thread ran them).
+    pub comm_s: f64,
+    /// Seconds the training thread waited for communication after its backward was done (the
+    /// part of `comm_s` that was not hidden behind compute).
+    pub exposed_s: f64,
+    /// Gradient bytes all-reduced (or reduce-scattered).
+    pub bytes: u64,
+    /// Sharded strategies: seconds the parameter all-gathers ran, and the part the training
+    /// thread waited for (the rest was hidden by prefetching).
+    #[serde(default)]
+    pub gather_s: f64,
+    #[serde(default)]
+    pub gather_exposed_s: f64,
+}
+
+impl DdpStats {
+    /// Fraction of the communication time hidden behind backward compute.
+    pub fn hidden_fraction(&self) -> f64 {
+        if self.comm_s <= 0.0 {
+            0.0
+        } else {
+            (1.0 - self.exposed_s / self.comm_s).clamp(0.0, 1.0)
+        }
+    }
+}
