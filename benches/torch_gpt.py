@@ -250,17 +250,20 @@ def get_batch(data, B, T, g):
     return x, y
 
 
-def wrap_fsdp2(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+def wrap_fsdp2(model: nn.Module, reshard_after_forward: bool = True, param_dtype=None) -> nn.Module:
     """FSDP2: `fully_shard` every transformer block, then the root (embeddings, ln_f, lm_head).
     `reshard_after_forward=False` keeps each block's gathered parameters from its forward to its
-    backward (one all-gather per block per step instead of two)."""
+    backward (one all-gather per block per step instead of two). `param_dtype` (bf16/fp16): gather
+    the parameters in it, reduce gradients in fp32 (MixedPrecisionPolicy, as shardlab's ZeRO with
+    --precision bf16 and the default reduce dtype)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
@@ -292,15 +295,16 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     model.checkpoint_every = parse_checkpointing(args.checkpointing)
     params = num_params(model)
     model.train()
+    # Mixed precision as PyTorch's recipe: fp32 parameters, gradients and optimizer; the autocast
+    # region casts the matmuls (linear, SDPA) to bf16/fp16; fp16 adds a GradScaler. FSDP2 also
+    # gathers its parameters in that dtype (MixedPrecisionPolicy), as shardlab's ZeRO does.
+    amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    scaler = torch.amp.GradScaler("cpu") if args.precision == "fp16" else None
     if ddp and args.strategy == "fsdp":
-        model = wrap_fsdp2(model, reshard_after_forward=not args.no_reshard_after_forward)
+        model = wrap_fsdp2(model, reshard_after_forward=not args.no_reshard_after_forward, param_dtype=amp_dtype)
     elif ddp:
         model = nn.parallel.DistributedDataParallel(model)
     opt = configure_optimizer(model, args.lr)
-    # Mixed precision as PyTorch's recipe: fp32 parameters, gradients and optimizer; the autocast
-    # region casts the matmuls (linear, SDPA) to bf16/fp16; fp16 adds a GradScaler.
-    amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
-    scaler = torch.amp.GradScaler("cpu") if args.precision == "fp16" else None
     g = torch.Generator().manual_seed(args.seed + 1 + rank)  # different rows per rank
     B, T = args.batch_size, args.block_size
     times, loss = [], None

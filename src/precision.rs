@@ -17,6 +17,7 @@ use tch::{Kind, Tensor};
 
 /// The numeric format of compute (weights and activations in forward and backward).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// Everything in f32.
     #[default]
@@ -92,13 +93,12 @@ impl GradScaler {
     /// the synchronised backward, before clipping and the optimizer step.
     pub fn unscale_and_check(&self, pg: &ProcessGroup, grads: &[Tensor]) -> CommResult<bool> {
         let inv = 1.0 / self.scale;
-        let mut local_bad = false;
+        let mut flags = Vec::new();
         for g in grads.iter().filter(|g| g.defined()) {
             let _ = g.shallow_clone().g_mul_scalar_(inv);
-            // isfinite over the whole tensor: one flag per tensor.
-            let finite = g.isfinite().all().int64_value(&[]) != 0;
-            local_bad |= !finite;
+            flags.push(g.isfinite().logical_not().any()); // one flag per tensor, read once below
         }
+        let local_bad = !flags.is_empty() && Tensor::stack(&flags, 0).any().int64_value(&[]) != 0;
         let mut flag = Tensor::from_slice(&[local_bad as u8 as f32]);
         pg.all_reduce(&mut flag, ReduceOp::Max)?; // (1,) f32: any rank overflowed
         Ok(flag.double_value(&[0]) > 0.0)

@@ -168,12 +168,16 @@ impl<'a> TrainContext<'a> {
     /// all ranks first; ZeRO/FSDP then shard them).
     pub fn prepare_model(&self, mut model: Box<dyn Model + 'a>) -> anyhow::Result<Box<dyn DataParallel + 'a>> {
         model.set_precision(self.scaling.precision)?;
-        let zero_only = self.scaling.strategy.zero_stage().is_none();
+        let (reduce, precision) = (self.scaling.reduce_dtype, self.scaling.precision);
         anyhow::ensure!(
-            self.scaling.reduce_dtype == Precision::Fp32 || !zero_only,
-            "reduce_dtype {:?} is a ZeRO/FSDP option; {:?} reduces the fp32 gradients it holds",
-            self.scaling.reduce_dtype,
+            reduce == Precision::Fp32 || self.scaling.strategy.zero_stage().is_some(),
+            "reduce_dtype {reduce:?} is a ZeRO/FSDP option; {:?} reduces the fp32 gradients it holds",
             self.scaling.strategy
+        );
+        anyhow::ensure!(
+            reduce != Precision::Fp16 || precision == Precision::Fp16,
+            "reduce_dtype fp16 needs fp16 compute, whose loss scaler keeps the gradients inside fp16's range; \
+             with {precision:?} compute reduce in fp32 or bf16"
         );
         let mut dp: Box<dyn DataParallel + 'a> = match (self.scaling.strategy, self.scaling.strategy.zero_stage()) {
             (Strategy::Single, _) => Box::new(ddp::Single::new(self.pg, model)?),

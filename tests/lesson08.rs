@@ -98,7 +98,7 @@ shardlab::graders! {
         }
         let w = Vec::<f32>::try_from(&working.to_kind(Kind::Float)).unwrap();
         let m16 = Vec::<f32>::try_from(&master.detach().to_kind(Kind::BFloat16).to_kind(Kind::Float)).unwrap();
-        assert_eq!(w, m16, "the working copy must be the master rounded to bf16 after every step");
+        assert_eq!(w, m16, "the working copy must be the master rounded to bf16 after the last step");
     }
 
     fn state(scale: f64, interval: u64) -> ScaleState {

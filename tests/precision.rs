@@ -258,3 +258,73 @@ fn the_mlp_refuses_mixed_precision_with_a_clear_error() {
     let e = m.set_precision(Precision::Bf16).unwrap_err().to_string();
     assert!(e.contains("fp32 only"), "{e}");
 }
+
+/// fp16 under the loss scaler takes the step fp32 takes, up to fp16's rounding: with SGD (whose
+/// update is the gradient itself, so a missing or doubled unscale shows) and clipping active, the
+/// reported norm is the unscaled one and the parameters follow fp32's.
+#[test]
+fn fp16_scaled_steps_follow_fp32_with_sgd_and_clipping() {
+    let out = spawn(2, Backend::Local, |pg| {
+        let mut v = Vec::new();
+        for zero in [false, true] {
+            let mut per = Vec::new();
+            for p in [Precision::Fp32, Precision::Fp16] {
+                let m = Gpt::new(GptConfig::tiny(), 5)?.with_precision(p);
+                let mut dp: Box<dyn DataParallel> = if zero {
+                    Box::new(Zero::new(pg, Box::new(m), Stage::Two)?)
+                } else {
+                    Box::new(ddp::DdpNaive::new(pg, Box::new(m))?)
+                };
+                let mut scaler = GradScaler::new(1024.0);
+                let s = DistributedSampler::new(16, 8, pg.rank(), 2, 2)?;
+                let mut norms = Vec::new();
+                for step in 0..3 {
+                    let cfg = StepConfig { lr: 0.5, grad_clip: Some(0.5) };
+                    let b = s.batch(&synthetic_corpus(4000, 7), step);
+                    let sc = (p == Precision::Fp16).then_some(&mut scaler);
+                    norms.push(ddp::train_step_scaled(&mut *dp, &mut Sgd, &b, 2, cfg, sc)?.grad_norm);
+                }
+                per.push((norms, flat(&dp.full_parameters()?)));
+            }
+            v.push(per);
+        }
+        Ok(v)
+    })
+    .unwrap();
+    for (rank, per_strategy) in out.iter().enumerate() {
+        for (which, per) in ["DdpNaive", "ZeRO-2"].iter().zip(per_strategy) {
+            let ((n32, p32), (n16, p16)) = (&per[0], &per[1]);
+            for (k, (a, b)) in n32.iter().zip(n16).enumerate() {
+                assert!(*a > 0.5, "{which}: clipping must be active (norm {a} > 0.5) for this test to mean anything");
+                assert!((a - b).abs() < 0.01 * a, "rank {rank} {which} step {k}: fp16 norm {b} vs fp32 {a}");
+            }
+            let d = max_diff(p32, p16);
+            assert!(d < 2e-3, "rank {rank} {which}: fp16 parameters differ from fp32's by {d}");
+        }
+    }
+}
+
+/// ZeRO-1 accumulates its micro-batches in f32 whatever the reduce dtype, and reduces once in it:
+/// with bf16 reduction the reduce-scatters carry half the bytes and the step stays close to fp32's.
+#[test]
+fn zero1_with_bf16_reduction_accumulates_in_f32() {
+    let out = spawn(2, Backend::Local, |pg| {
+        let mut v = Vec::new();
+        for reduce in [Precision::Fp32, Precision::Bf16] {
+            let m = Gpt::new(GptConfig::tiny(), 5)?;
+            let mut z = Zero::new(pg, Box::new(m), Stage::One)?.reduce_dtype(reduce);
+            let s = DistributedSampler::new(16, 8, pg.rank(), 2, 2)?;
+            for step in 0..2 {
+                ddp::train_step(&mut z, &mut Sgd, &s.batch(&synthetic_corpus(4000, 7), step), 4, StepConfig::lr(0.5))?;
+            }
+            v.push((z.stats().bytes, flat(&z.full_parameters()?)));
+        }
+        Ok(v)
+    })
+    .unwrap();
+    for (rank, v) in out.iter().enumerate() {
+        assert_eq!(v[1].0 * 2, v[0].0, "rank {rank}: bf16 reduce-scatters carry half the bytes");
+        let d = max_diff(&v[0].1, &v[1].1);
+        assert!(d > 0.0 && d < 1e-3, "rank {rank}: bf16-reduced ZeRO-1 differs from fp32-reduced by {d}");
+    }
+}

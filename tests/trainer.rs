@@ -86,3 +86,30 @@ fn bad_configurations_are_refused() {
         .to_string();
     assert!(e.contains("rank 0") && e.contains("rank 1") && e.contains("other slots"), "{e}");
 }
+
+/// The precision in the Trainer config reaches the model before it is wrapped: ZeRO-3 then gathers
+/// bf16 units (fewer bytes sent than fp32), and configurations that cannot work are refused.
+#[test]
+fn the_precision_reaches_the_wrapped_model() {
+    let run = |precision: Precision, reduce_dtype: Precision, strategy: Strategy| {
+        Trainer::new(ScalingConfig { num_workers: 2, strategy, precision, reduce_dtype, ..ScalingConfig::default() })
+            .fit(|ctx| {
+                let data = synthetic_corpus(4000, 7);
+                let (mut dp, mut opt) =
+                    ctx.prepare(Box::new(Gpt::new(GptConfig::tiny(), 1)?), &AdamWConfig::default())?;
+                let b = DistributedSampler::new(16, 8, ctx.rank(), 2, 0)?.batch(&data, 0);
+                let sent0 = ctx.group().stats().bytes_sent;
+                ddp::train_step(&mut *dp, &mut opt, &b, 1, StepConfig::lr(1e-3))?;
+                Ok((ctx.group().stats().bytes_sent - sent0, dp.model().precision()))
+            })
+    };
+    let fp32 = run(Precision::Fp32, Precision::Fp32, Strategy::Zero3).unwrap().results[0];
+    let bf16 = run(Precision::Bf16, Precision::Fp32, Strategy::Zero3).unwrap().results[0];
+    assert_eq!(bf16.1, Precision::Bf16, "the wrapped model computes in bf16");
+    let r = bf16.0 as f64 / fp32.0 as f64;
+    assert!((0.6..0.75).contains(&r), "bf16 ZeRO-3 gathers half the bytes: sent {} vs fp32 {} ({r})", bf16.0, fp32.0);
+    let e = run(Precision::Bf16, Precision::Bf16, Strategy::Ddp).unwrap_err().to_string();
+    assert!(e.contains("ZeRO/FSDP option"), "{e}");
+    let e = run(Precision::Fp32, Precision::Fp16, Strategy::Zero2).unwrap_err().to_string();
+    assert!(e.contains("needs fp16 compute"), "{e}");
+}

@@ -6,8 +6,9 @@ use shardlab::prelude::*;
 
 /// Exercise 1 — what bf16 is. Round the f32 `x` to bfloat16 and return bf16's 16 bits: the sign,
 /// the 8 exponent bits and the top 7 mantissa bits of `x`, rounded to the nearest (ties to the
-/// even neighbour) — not truncated. A NaN stays a NaN (return a quiet NaN: `0x7FC0` with `x`'s
-/// sign); ±inf stay ±inf; a value past bf16's largest finite rounds to inf.
+/// even neighbour) — not truncated. A NaN stays a NaN (return a quiet NaN: `0x7FC0`, with `x`'s
+/// sign if you like — libtorch returns plain `0x7FC0`; any NaN passes); ±inf stay ±inf; a value
+/// past bf16's largest finite rounds to inf.
 pub fn to_bf16_bits(x: f32) -> u16 {
     // TODO: work on x.to_bits(). bf16 keeps the top 16 bits; round the low 16 away to the nearest,
     // ties to even (README, "Rounding to bf16"). Handle NaN first: it must stay a NaN.

@@ -50,7 +50,9 @@ struct Args {
     #[arg(long)]
     no_reshard_after_forward: bool,
     /// Compute precision: fp32, bf16 (matrix multiplies in bfloat16, fp32 master weights, residual
-    /// stream and loss) or fp16 (the same in float16, with dynamic loss scaling).
+    /// stream and loss) or fp16 (the same in float16, with dynamic loss scaling). Under ZeRO/FSDP
+    /// every parameter (LayerNorm gains, biases, embeddings too) is gathered in it, as FSDP2's
+    /// param_dtype does.
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
     /// ZeRO/FSDP: the precision gradients are reduced in (fp32, or bf16/fp16: half the bytes).

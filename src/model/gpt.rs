@@ -170,9 +170,14 @@ impl Gpt {
         let (_b, t) = idx.size2().expect("token batch must be (B, T)");
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size {}", self.cfg.block_size);
         let pos = Tensor::arange(t, (Kind::Int64, Device::Cpu));
-        let tok = Tensor::embedding(self.p(0), idx, -1, false, false); // (B, T, C)
-        let x = tok + Tensor::embedding(self.p(1), &pos, -1, false, false); // + (T, C)
-        x.to_kind(Kind::Float) // the residual stream is fp32 whatever the compute precision
+        // Look up in fp32 whatever the parameters' kind (a no-op for fp32 tables; a transient copy
+        // of bf16 ones under ZeRO): the embedding backward adds every occurrence of a token into
+        // the table's gradient, and on the CPU it accumulates in the table's dtype — in bf16, a
+        // frequent token's gradient stops growing after a few hundred occurrences.
+        let wte = self.p(0).to_kind(Kind::Float);
+        let wpe = self.p(1).to_kind(Kind::Float);
+        let tok = Tensor::embedding(&wte, idx, -1, false, false); // (B, T, C)
+        tok + Tensor::embedding(&wpe, &pos, -1, false, false) // + (T, C): the residual stream is fp32
     }
 
     /// Block `l`: x + attn(ln_1(x)), then + mlp(ln_2(·)). (B, T, C) → (B, T, C).

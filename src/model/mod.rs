@@ -43,8 +43,9 @@ pub trait Model: Send {
     /// Parameters with their names, in registration order (the order of PyTorch's
     /// `named_parameters()`); tied parameters appear once.
     fn named_parameters(&self) -> Vec<(String, Tensor)>;
-    /// The precision the forward computes in ([`Gpt::with_precision`]); default fp32. The
-    /// parameters the model holds are fp32 whatever it is (the master weights).
+    /// The precision the forward computes in ([`Gpt::with_precision`]); default fp32. A model's
+    /// own parameters are fp32; a ZeRO/FSDP wrapper replaces their data with views of units
+    /// gathered in this precision (and keeps the fp32 masters in its shards).
     fn precision(&self) -> crate::precision::Precision {
         crate::precision::Precision::Fp32
     }

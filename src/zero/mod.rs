@@ -77,12 +77,15 @@ struct Unit {
     /// Stages 1–2: the full flat parameters (the model's parameters are views into it).
     /// Stage 3: the gathered buffer while the unit is materialised.
     full: Option<Tensor>,
-    /// This rank's shard of the parameters: a view into `full` (1–2) or its own tensor (3).
+    /// This rank's f32 shard of the parameters, the master the optimizer steps: a view into `full`
+    /// (stages 1–2 in fp32) or a tensor of its own (stage 3, and stages 1–2 in mixed precision,
+    /// where `full` holds the bf16/fp16 working copy).
     shard: Tensor,
     /// (shard,) averaged gradient, accumulated over micro-batches until the step.
     grad_shard: Tensor,
-    /// (padded,) gradient of the current backward (stage 1: kept, zeroed after each step — ZeRO-1
-    /// keeps full gradients; stages 2–3: freed once reduced).
+    /// (padded,) gradient of the current backward (stage 1: f32, kept across `no_sync`
+    /// micro-batches and zeroed after each step — ZeRO-1 keeps full gradients; stages 2–3: in the
+    /// reduce dtype, freed once reduced).
     grad_full: Option<Tensor>,
     /// (shard,) f32: 1 where the element belongs to a weight-decayed tensor (nanoGPT's groups), 0
     /// elsewhere and in the padding — the optimizer's [`Decay::Mask`] for this shard.
@@ -632,7 +635,11 @@ impl StageHooks for Core<'_> {
             let u = self.unit_of[i];
             let j = self.units[u].params.iter().position(|&p| p == i).expect("param in its unit");
             if self.units[u].grad_full.is_none() {
-                let (padded, kind) = (self.units[u].layout.padded, self.reduce_kind);
+                // Stage 1 accumulates micro-batches in it: f32 whatever the reduce dtype (as
+                // Megatron's --accumulate-allreduce-grads-in-fp32); stages 2–3 reduce every
+                // micro-batch and accumulate the f32 shard, so their buffer is in the reduce dtype.
+                let kind = if self.stage == Stage::One { Kind::Float } else { self.reduce_kind };
+                let padded = self.units[u].layout.padded;
                 self.units[u].grad_full = Some(Tensor::zeros([padded], (kind, tch::Device::Cpu)));
                 if self.stage != Stage::One {
                     let b = kind.elt_size_in_bytes() as i64 * padded; // stage 1 keeps it: not transient
@@ -662,8 +669,10 @@ impl StageHooks for Core<'_> {
             let Some(gf) = self.units[u].grad_full.as_ref() else { continue };
             let out = Tensor::empty([self.units[u].layout.shard], (self.reduce_kind, tch::Device::Cpu));
             // (shard,) of grads averaged over dp, in the reduce kind. The unit keeps its full gradient (freed or
-            // zeroed in finish_reduction, after the wait); the op reads it through this alias.
-            let w = self.pg.reduce_scatter_async(out, gf.shallow_clone(), ReduceOp::Avg)?;
+            // zeroed in finish_reduction, after the wait); the op reads it through this alias, or
+            // reads a transient copy in the reduce kind (stage 1's f32 buffer with bf16 reduction).
+            let input = if gf.kind() == self.reduce_kind { gf.shallow_clone() } else { gf.to_kind(self.reduce_kind) };
+            let w = self.pg.reduce_scatter_async(out, input, ReduceOp::Avg)?;
             self.reductions.push((u, w));
             // Keep at most two reductions in flight: finishing the older one frees its unit's
             // full gradient (stages 2-3), so gradients never pile up to 4Ψ.
