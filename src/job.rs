@@ -59,6 +59,24 @@ pub struct GptJob {
     pub init: Option<PathBuf>,
     /// Rank 0 writes the final weights here.
     pub save: Option<PathBuf>,
+    /// Distributed checkpoints (lesson 10): where, how often, and what to resume from.
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+}
+
+/// Distributed checkpoints of a job ([`crate::checkpoint`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct CheckpointConfig {
+    /// The folder of step-N checkpoints (and its `latest` pointer).
+    pub dir: Option<PathBuf>,
+    /// Save every this many steps (0: only where asked by `at_end`).
+    pub every: u64,
+    /// Also save after the last step.
+    pub at_end: bool,
+    /// Keep only the newest K checkpoints.
+    pub keep_last: Option<usize>,
+    /// Start from this checkpoint (a step-N folder, or a folder of them: its latest).
+    pub resume: Option<PathBuf>,
 }
 
 /// What a finished run reports (rank 0's view; every rank holds the same weights).
@@ -136,18 +154,32 @@ impl GptJob {
         let params = model.num_params();
         let (mut dp, mut opt) = ctx.prepare(Box::new(model), &self.optim)?;
         let (rank, n) = (ctx.rank(), ctx.world_size());
+        // fp16 needs dynamic loss scaling (PyTorch's GradScaler rules); bf16 and fp32 do not.
+        let mut scaler =
+            (ctx.scaling().precision == crate::precision::Precision::Fp16).then(crate::precision::GradScaler::default);
+        let mut start = 0;
+        if let Some(from) = &self.checkpoint.resume {
+            let r = crate::checkpoint::load(&mut *dp, &mut opt, from)?;
+            self.check_resumable(&r.extra)?;
+            if let (Some(s), Some(saved)) = (scaler.as_mut(), r.extra.get("scaler").filter(|v| !v.is_null())) {
+                *s = serde_json::from_value(saved.clone())?;
+            }
+            start = r.step;
+            anyhow::ensure!(
+                start < self.steps,
+                "the checkpoint is at step {start}: nothing is left of this run's {} steps (ask for more --steps)",
+                self.steps
+            );
+        }
         let sampler = DistributedSampler::new(self.model.block_size as usize, self.batch_size * n, rank, n, self.seed)?;
         let tokens_per_step = (self.batch_size * n) as f64 * self.model.block_size as f64;
         let (mut step_s, mut losses) = (Vec::new(), Vec::new());
         let sent0 = ctx.group().stats().bytes_sent;
-        // fp16 needs dynamic loss scaling (PyTorch's GradScaler rules); bf16 and fp32 do not.
-        let mut scaler =
-            (ctx.scaling().precision == crate::precision::Precision::Fp16).then(crate::precision::GradScaler::default);
         // Peak RSS from here on: the training steps, not the construction of the full model.
         crate::bench::reset_peak_rss();
         // A run shorter than its warm-up still runs: it times its last step.
-        let warmup = self.warmup.min(self.steps.saturating_sub(1));
-        for step in 0..self.steps {
+        let warmup = (start + self.warmup).min(self.steps.saturating_sub(1));
+        for step in start..self.steps {
             let batch = sampler.batch(&data, step);
             ctx.group().barrier()?;
             let t0 = Instant::now();
@@ -191,6 +223,18 @@ impl GptJob {
                 line["skipped"] = json!(out.skipped);
             }
             ctx.report(line)?;
+            let last = step + 1 == self.steps;
+            if let Some(dir) = &self.checkpoint.dir {
+                let every = self.checkpoint.every > 0 && (step + 1) % self.checkpoint.every == 0;
+                if every || (last && self.checkpoint.at_end) {
+                    let extra = json!({"job": self, "strategy": ctx.scaling().strategy, "world_size": n,
+                                       "precision": ctx.scaling().precision, "scaler": scaler, "loss": loss});
+                    let opts =
+                        crate::checkpoint::SaveOptions { keep_last: self.checkpoint.keep_last, ..Default::default() };
+                    crate::checkpoint::save(&*dp, &opt, dir, step + 1, extra, &opts)
+                        .map_err(|e| anyhow::anyhow!("step {step}: saving the checkpoint: {e:#}"))?;
+                }
+            }
         }
         if let Some(p) = &self.save {
             // Sharded strategies hold pieces: every rank takes part in gathering the full weights.
@@ -199,7 +243,7 @@ impl GptJob {
                 crate::model::write_state_dict(dp.model().state_dict_of(full), p)?;
             }
         }
-        let sent_per_step = (ctx.group().stats().bytes_sent - sent0) as f64 / self.steps as f64;
+        let sent_per_step = (ctx.group().stats().bytes_sent - sent0) as f64 / (self.steps - start) as f64;
         let median = crate::bench::median(&mut step_s);
         let st = dp.stats();
         let strategy = ctx.scaling().strategy;
@@ -224,6 +268,25 @@ impl GptJob {
             precision: ctx.scaling().precision,
             skipped_steps: scaler.map_or(0, |s| s.skipped),
         })
+    }
+
+    /// A checkpoint's job state against this job: the model must be the same, and so must the
+    /// seed (or the resumed run would not continue the saved one).
+    fn check_resumable(&self, extra: &serde_json::Value) -> anyhow::Result<()> {
+        let Some(saved) = extra.get("job") else { return Ok(()) };
+        let saved: GptJob = serde_json::from_value(saved.clone())?;
+        let mut diffs = Vec::new();
+        let (a, b) = (serde_json::to_value(saved.model)?, serde_json::to_value(self.model)?);
+        for (k, v) in a.as_object().into_iter().flatten() {
+            if b.get(k) != Some(v) {
+                diffs.push(format!("model.{k}: {v} in the checkpoint, {} here", b[k]));
+            }
+        }
+        if saved.seed != self.seed {
+            diffs.push(format!("seed: {} in the checkpoint, {} here", saved.seed, self.seed));
+        }
+        anyhow::ensure!(diffs.is_empty(), "the checkpoint was saved by another job:\n  {}", diffs.join("\n  "));
+        Ok(())
     }
 
     /// Check, then run on `scaling`'s workers; rank 0's summary.
@@ -428,6 +491,7 @@ impl GptJob {
             seed: 1,
             init: None,
             save: None,
+            checkpoint: Default::default(),
         }
     }
 }

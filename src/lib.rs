@@ -8,6 +8,7 @@
 //! Start with `use shardlab::prelude::*;`.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod ddp;

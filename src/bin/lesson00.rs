@@ -56,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         seed: 1,
         init: None,
         save: None,
+        checkpoint: Default::default(),
     };
     if !a.json {
         println!(

@@ -89,6 +89,7 @@ fn main() -> anyhow::Result<()> {
         seed: 1,
         init: None,
         save: None,
+        checkpoint: Default::default(),
     };
     let ours = |strategy: Strategy, n: usize, p: Precision, reduce: Precision, job: GptJob| {
         job::run_isolated(&OneRun {

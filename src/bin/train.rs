@@ -47,6 +47,20 @@ struct Args {
     activation_checkpointing: Checkpointing,
     /// ZeRO-3/FSDP: keep each gathered unit from its forward to its backward (one all-gather per
     /// unit per step instead of two, no recompute; the full parameters stay alive meanwhile).
+    /// Save a distributed checkpoint (every rank its own shards) into this folder: every
+    /// --save-every steps and after the last step.
+    #[arg(long)]
+    checkpoint_dir: Option<std::path::PathBuf>,
+    /// Steps between checkpoints (0: only after the last step).
+    #[arg(long, default_value_t = 0)]
+    save_every: u64,
+    /// Keep only the newest K checkpoints.
+    #[arg(long)]
+    keep_last: Option<usize>,
+    /// Continue from a checkpoint: a step-N folder, or a checkpoint folder (its latest). Any
+    /// strategy and world size can resume any checkpoint of the same model.
+    #[arg(long)]
+    resume: Option<std::path::PathBuf>,
     #[arg(long)]
     no_reshard_after_forward: bool,
     /// Compute precision: fp32, bf16 (matrix multiplies in bfloat16, fp32 master weights, residual
@@ -153,6 +167,13 @@ impl Args {
             seed: self.seed,
             init: self.init.clone(),
             save: self.save.clone(),
+            checkpoint: job::CheckpointConfig {
+                dir: self.checkpoint_dir.clone(),
+                every: self.save_every,
+                at_end: self.checkpoint_dir.is_some(),
+                keep_last: self.keep_last,
+                resume: self.resume.clone(),
+            },
         }
     }
 }

@@ -66,6 +66,31 @@ pub trait DataParallel {
     fn grads(&self) -> Vec<tch::Tensor> {
         crate::model::grads(&self.model().parameters())
     }
+    /// This rank's optimizer slots, in the order [`step`](Self::step) passes them to the optimizer,
+    /// and which parameter elements each holds — what a checkpoint saves and restores
+    /// ([`crate::checkpoint`]). Replicated strategies: one slot per parameter, the parameter itself.
+    fn slots(&self) -> Vec<Slot> {
+        self.model()
+            .parameters()
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let n = p.numel() as i64;
+                Slot { master: p, pieces: vec![(i, 0..n, 0..n)], replicated: true }
+            })
+            .collect()
+    }
+    /// The shape of every parameter (`named_parameters` order), whatever this rank holds of it
+    /// (ZeRO-3's parameters are empty between steps).
+    fn param_shapes(&self) -> Vec<Vec<i64>> {
+        self.model().parameters().iter().map(|p| p.size()).collect()
+    }
+    /// After the slots' masters were overwritten (a checkpoint loaded into them): bring every
+    /// copy derived from them up to date (ZeRO-1/2: all-gather the shards into the whole
+    /// parameters). A collective for sharded strategies. Default: nothing to do.
+    fn masters_loaded(&mut self) -> CommResult<()> {
+        Ok(())
+    }
     /// Zero the gradients without stepping (a skipped step).
     fn zero_grads(&mut self) {
         for g in self.grads() {
@@ -137,6 +162,17 @@ pub trait DataParallel {
         self.set_require_sync(true);
         r
     }
+}
+
+/// One optimizer slot of a rank: the f32 master tensor the optimizer steps (a parameter, or a
+/// ZeRO unit's shard) and the parameter elements it holds.
+pub struct Slot {
+    /// The master values (a parameter with its shape, or a flat shard).
+    pub master: tch::Tensor,
+    /// `(parameter index, flat range within the parameter, flat range within the slot)`.
+    pub pieces: Vec<(usize, std::ops::Range<i64>, std::ops::Range<i64>)>,
+    /// Every rank holds this slot whole (replicated strategies).
+    pub replicated: bool,
 }
 
 /// Build the DDP wrapper `variant` around `model`: rank 0's parameters are broadcast to every

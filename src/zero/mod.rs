@@ -414,6 +414,39 @@ impl DataParallel for Zero<'_> {
         }
     }
 
+    /// One slot per unit: this rank's f32 master shard and the parameter pieces in it.
+    fn slots(&self) -> Vec<crate::ddp::Slot> {
+        let rank = self.z.pg.rank();
+        self.z
+            .units
+            .iter()
+            .map(|u| crate::ddp::Slot {
+                master: u.shard.shallow_clone(),
+                pieces: u
+                    .layout
+                    .shard_pieces(rank)
+                    .into_iter()
+                    .map(|(j, within, at)| (u.params[j], within, at))
+                    .collect(),
+                replicated: false,
+            })
+            .collect()
+    }
+
+    fn param_shapes(&self) -> Vec<Vec<i64>> {
+        let mut out = vec![Vec::new(); self.z.params.len()];
+        for u in &self.z.units {
+            for (j, &i) in u.params.iter().enumerate() {
+                out[i] = u.layout.shapes[j].clone();
+            }
+        }
+        out
+    }
+
+    fn masters_loaded(&mut self) -> CommResult<()> {
+        self.z.gather_params()
+    }
+
     /// This rank's gradient shards (f32, averaged over the group), one per unit.
     fn grads(&self) -> Vec<Tensor> {
         self.z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect()
@@ -483,6 +516,17 @@ impl DataParallel for Zero<'_> {
         for u in &mut z.units {
             let _ = u.grad_shard.zero_();
         }
+        z.gather_params()?;
+        Ok(norm)
+    }
+}
+
+impl Core<'_> {
+    /// Stages 1–2: all-gather every rank's master shard into the whole parameters (in the compute
+    /// kind) — after the optimizer step, or after a checkpoint was loaded into the shards. Stage
+    /// 3 gathers on demand: nothing to do.
+    fn gather_params(&mut self) -> CommResult<()> {
+        let z = self;
         if z.stage != Stage::Three {
             // Every rank updated its own shard: all-gather the updated parameters into the full buffers.
             let mut works = Vec::new();
@@ -513,7 +557,7 @@ impl DataParallel for Zero<'_> {
                 return Err(e);
             }
         }
-        Ok(norm)
+        Ok(())
     }
 }
 

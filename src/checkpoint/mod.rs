@@ -1,0 +1,434 @@
+//! Distributed checkpoints (lesson 10): every rank writes only what it holds, a metadata file
+//! says which rank holds which elements, a checkpoint is committed atomically, and it loads into
+//! any strategy at any world size by reading only the byte ranges each rank needs.
+//!
+//! ```text
+//! DIR/
+//!   latest                    "step-00000200" — replaced atomically after each commit
+//!   step-00000100/            a committed checkpoint
+//!     metadata.json           written last: format version, step, every tensor's pieces, files, job state
+//!     rank-00000.safetensors  rank 0's pieces (f32: parameters and AdamW's two moments)
+//!     rank-00000.json         rank 0's index (merged into metadata.json)
+//!     rank-00001.safetensors  …
+//!   step-00000200.tmp/        being written; ignored by loads, removed by the next save
+//! ```
+//!
+//! What is saved, per parameter: the f32 master values and AdamW's `exp_avg`/`exp_avg_sq`, as
+//! *pieces* — flat element ranges of the parameter. A ZeRO rank writes the pieces inside its
+//! shards; replicated strategies (every rank holds everything) split each tensor into N balanced
+//! ranges and rank r writes the r-th, so the bytes are written once, by all ranks in parallel.
+//! Loading plans, per wanted range, the reads from the saved pieces ([`plan::plan_reads`]):
+//! resharding N → M and between strategies is interval arithmetic.
+//!
+//! Commit (the scheme of PyTorch DCP and of every database): write into `step-N.tmp/`, fsync each
+//! file, write `metadata.json` last and fsync it and the folder, rename the folder to `step-N`,
+//! fsync the parent, then replace `latest` (write, fsync, rename). A crash anywhere leaves the
+//! previous checkpoint as it was: a folder without `metadata.json`, or still named `.tmp`, is not
+//! a checkpoint.
+
+pub mod files;
+pub mod plan;
+
+use crate::comm::{ProcessGroup, ReduceOp};
+use crate::ddp::DataParallel;
+use crate::optim::{AdamW, AdamWState};
+use anyhow::{bail, ensure, Context};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use tch::Tensor;
+
+/// The metadata format this code writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+const METADATA: &str = "metadata.json";
+const LATEST: &str = "latest";
+
+/// A checkpoint's `metadata.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Metadata {
+    pub format_version: u32,
+    /// Optimizer steps taken when it was saved.
+    pub step: u64,
+    /// Ranks that wrote it.
+    pub world_size: usize,
+    /// `param/NAME`, `exp_avg/NAME`, `exp_avg_sq/NAME` → shape and pieces.
+    pub tensors: BTreeMap<String, TensorMeta>,
+    /// Rank files → size and SHA-256.
+    pub files: BTreeMap<String, FileMeta>,
+    /// AdamW's step count per parameter (absent: no optimizer state was saved — before the first step).
+    pub optimizer_steps: BTreeMap<String, u64>,
+    /// The job's own state (configuration, LR schedule, loss scaler, data position, …).
+    pub extra: serde_json::Value,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TensorMeta {
+    pub shape: Vec<i64>,
+    pub pieces: Vec<PieceMeta>,
+}
+
+/// Elements `lo..hi` of a tensor (flattened), stored as `key` in `file`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PieceMeta {
+    pub rank: usize,
+    pub file: String,
+    pub key: String,
+    pub lo: i64,
+    pub hi: i64,
+    pub sha256: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FileMeta {
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// What one rank wrote (its index file).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct RankIndex {
+    rank: usize,
+    file: String,
+    meta: FileMeta,
+    pieces: Vec<(String, Vec<i64>, PieceMeta)>,
+    optimizer_steps: BTreeMap<String, u64>,
+}
+
+/// Options of [`save`].
+#[derive(Clone, Debug, Default)]
+pub struct SaveOptions {
+    /// Keep only the newest K committed checkpoints (older ones are removed after the commit).
+    pub keep_last: Option<usize>,
+    /// Testing: this rank's file write fails after this many bytes (a full disk).
+    #[doc(hidden)]
+    pub fail_after_bytes: Option<u64>,
+}
+
+/// What [`save`] or [`load`] did on this rank.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Report {
+    /// The checkpoint folder.
+    pub path: PathBuf,
+    pub step: u64,
+    /// Bytes this rank wrote or read.
+    pub bytes: u64,
+    pub seconds: f64,
+    /// The job state saved with it.
+    pub extra: serde_json::Value,
+}
+
+/// The name of step `step`'s folder.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// Run `f` on this rank, then agree with every rank: if any rank failed, every rank returns an
+/// error (its own, or one saying which rank failed), so that no rank goes on alone.
+fn agree<T>(pg: &ProcessGroup, what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    let r = f();
+    let mut flag = Tensor::from_slice(&[if r.is_err() { pg.rank() as f64 + 1.0 } else { 0.0 }]);
+    pg.all_reduce(&mut flag, ReduceOp::Max)?;
+    let failed = flag.double_value(&[0]) as usize;
+    match r {
+        Err(e) => Err(e.context(format!("rank {}: {what}", pg.rank()))),
+        Ok(_) if failed > 0 => {
+            bail!("rank {}: {what}: rank {} failed (its error says why); nothing was changed", pg.rank(), failed - 1)
+        }
+        Ok(v) => Ok(v),
+    }
+}
+
+fn fsync_dir(dir: &Path) -> anyhow::Result<()> {
+    std::fs::File::open(dir).and_then(|f| f.sync_all()).with_context(|| format!("fsync {}", dir.display()))
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(bytes).with_context(|| format!("writing {}", path.display()))?;
+    f.sync_all().with_context(|| format!("fsync {}", path.display()))
+}
+
+/// Committed checkpoints in `dir`, oldest first: folders `step-N` with a `metadata.json`.
+pub fn committed(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            e.path().join(METADATA).is_file().then(|| (step, e.path()))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Save `dp`'s parameters and `opt`'s state at `step` into `dir` (a collective: every rank calls
+/// it). `extra`: the job's state, stored in the metadata. Returns what this rank wrote. On any
+/// rank's failure every rank returns an error and the previous checkpoints are untouched.
+pub fn save(
+    dp: &dyn DataParallel,
+    opt: &AdamW,
+    dir: &Path,
+    step: u64,
+    extra: serde_json::Value,
+    opts: &SaveOptions,
+) -> anyhow::Result<Report> {
+    let t0 = std::time::Instant::now();
+    let pg = dp.group();
+    let (rank, n) = (pg.rank(), pg.world_size());
+    let name = step_dir_name(step);
+    let tmp = dir.join(format!("{name}.tmp"));
+    // ---- rank 0 prepares the folder (and removes what earlier crashed saves left) ----
+    agree(pg, "preparing the checkpoint folder", || {
+        if rank == 0 {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            for e in std::fs::read_dir(dir)?.flatten() {
+                if e.file_name().to_string_lossy().ends_with(".tmp") && e.path().is_dir() {
+                    std::fs::remove_dir_all(e.path())?;
+                }
+            }
+            std::fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        }
+        Ok(())
+    })?;
+    // ---- every rank writes its pieces ----
+    let written = agree(pg, "writing its rank file", || {
+        let names: Vec<String> = dp.model().named_parameters().into_iter().map(|(n, _)| n).collect();
+        let shapes = dp.param_shapes();
+        let state: AdamWState = opt.state();
+        let has_state = !state.m.is_empty();
+        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        let mut pieces: Vec<(String, Vec<i64>, PieceMeta)> = Vec::new();
+        let mut optimizer_steps = BTreeMap::new();
+        let file = format!("rank-{rank:05}.safetensors");
+        for (s, slot) in dp.slots().iter().enumerate() {
+            let master = slot.master.detach();
+            ensure!(master.is_contiguous(), "slot {s}: its master tensor is not contiguous");
+            let flat = |t: &Tensor| t.view([-1]);
+            let mut kinds = vec![("param", flat(&master))];
+            if has_state {
+                ensure!(
+                    s < state.m.len(),
+                    "the optimizer has {} slots, the strategy {}",
+                    state.m.len(),
+                    dp.slots().len()
+                );
+                kinds.push(("exp_avg", flat(&state.m[s])));
+                kinds.push(("exp_avg_sq", flat(&state.v[s])));
+            }
+            for (i, within, at) in &slot.pieces {
+                // Replicated: rank r writes the r-th of N balanced ranges of the piece.
+                let (within, at) = if slot.replicated {
+                    let own = plan::owned_range(within.end - within.start, rank, n);
+                    (within.start + own.start..within.start + own.end, at.start + own.start..at.start + own.end)
+                } else {
+                    (within.clone(), at.clone())
+                };
+                if has_state {
+                    optimizer_steps.insert(names[*i].clone(), state.steps[s]);
+                }
+                if within.is_empty() {
+                    continue;
+                }
+                for (kind, t) in &kinds {
+                    let key = format!("{kind}/{}/{}", names[*i], within.start);
+                    tensors.push((key.clone(), t.narrow(0, at.start, at.end - at.start)));
+                    let meta = PieceMeta {
+                        rank,
+                        file: file.clone(),
+                        key,
+                        lo: within.start,
+                        hi: within.end,
+                        sha256: String::new(),
+                    };
+                    pieces.push((format!("{kind}/{}", names[*i]), shapes[*i].clone(), meta));
+                }
+            }
+        }
+        let w = files::write(&tmp.join(&file), &tensors, opts.fail_after_bytes)?;
+        for (p, h) in pieces.iter_mut().zip(&w.tensor_sha256) {
+            p.2.sha256 = h.clone();
+        }
+        let index =
+            RankIndex { rank, file, meta: FileMeta { bytes: w.bytes, sha256: w.sha256 }, pieces, optimizer_steps };
+        write_synced(&tmp.join(format!("rank-{rank:05}.json")), &serde_json::to_vec(&index)?)?;
+        Ok(w.bytes)
+    })?;
+    // ---- rank 0 merges the indexes, writes the metadata last, commits ----
+    let path = dir.join(&name);
+    agree(pg, "committing the checkpoint", || {
+        if rank != 0 {
+            return Ok(());
+        }
+        let mut meta = Metadata {
+            format_version: FORMAT_VERSION,
+            step,
+            world_size: n,
+            tensors: BTreeMap::new(),
+            files: BTreeMap::new(),
+            optimizer_steps: BTreeMap::new(),
+            extra: extra.clone(),
+        };
+        for r in 0..n {
+            let p = tmp.join(format!("rank-{r:05}.json"));
+            let index: RankIndex =
+                serde_json::from_slice(&std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?)?;
+            meta.files.insert(index.file.clone(), index.meta);
+            for (t, shape, piece) in index.pieces {
+                meta.tensors.entry(t).or_insert_with(|| TensorMeta { shape, pieces: Vec::new() }).pieces.push(piece);
+            }
+            for (k, v) in index.optimizer_steps {
+                if let Some(old) = meta.optimizer_steps.insert(k.clone(), v) {
+                    ensure!(old == v, "{k}: ranks saved different AdamW step counts ({old} and {v})");
+                }
+            }
+        }
+        // Every tensor covered exactly once.
+        for (t, tm) in &meta.tensors {
+            let numel = tm.shape.iter().product::<i64>();
+            let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
+            plan::plan_reads(&ranges, 0..numel)
+                .map_err(|e| anyhow::anyhow!("{t}: the ranks' pieces do not tile it: {e}"))?;
+        }
+        write_synced(&tmp.join(METADATA), &serde_json::to_vec_pretty(&meta)?)?;
+        fsync_dir(&tmp)?;
+        if path.exists() {
+            std::fs::remove_dir_all(&path).with_context(|| format!("replacing {}", path.display()))?;
+        }
+        std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+        fsync_dir(dir)?;
+        let latest_tmp = dir.join(format!("{LATEST}.tmp"));
+        write_synced(&latest_tmp, name.as_bytes())?;
+        std::fs::rename(&latest_tmp, dir.join(LATEST))?;
+        fsync_dir(dir)?;
+        if let Some(k) = opts.keep_last {
+            let all = committed(dir);
+            for (_, old) in all.iter().take(all.len().saturating_sub(k.max(1))) {
+                std::fs::remove_dir_all(old).with_context(|| format!("removing {}", old.display()))?;
+            }
+        }
+        Ok(())
+    })?;
+    Ok(Report { path, step, bytes: written, seconds: t0.elapsed().as_secs_f64(), extra })
+}
+
+/// The checkpoint folder `path` names: a committed checkpoint itself, or a folder of them (its
+/// `latest`, or else its newest committed one).
+pub fn resolve(path: &Path) -> anyhow::Result<PathBuf> {
+    if path.join(METADATA).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    ensure!(path.is_dir(), "{} is not a folder (a checkpoint is a folder with a {METADATA})", path.display());
+    if let Ok(name) = std::fs::read_to_string(path.join(LATEST)) {
+        let p = path.join(name.trim());
+        if p.join(METADATA).is_file() {
+            return Ok(p);
+        }
+    }
+    match committed(path).pop() {
+        Some((_, p)) => Ok(p),
+        None => bail!(
+            "{} holds no committed checkpoint (no step-N folder with a {METADATA}; a step-N.tmp folder is an unfinished save)",
+            path.display()
+        ),
+    }
+}
+
+/// Read and check a checkpoint's metadata.
+pub fn read_metadata(dir: &Path) -> anyhow::Result<Metadata> {
+    let p = dir.join(METADATA);
+    let text = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
+    let v: serde_json::Value = serde_json::from_slice(&text).with_context(|| format!("{} is not JSON", p.display()))?;
+    let version = v["format_version"].as_u64().with_context(|| format!("{}: no format_version", p.display()))?;
+    ensure!(
+        version == FORMAT_VERSION as u64,
+        "{}: format version {version}; this shardlab reads version {FORMAT_VERSION}",
+        p.display()
+    );
+    serde_json::from_value(v).with_context(|| format!("{}: malformed metadata", p.display()))
+}
+
+/// Load the checkpoint at `path` ([`resolve`]) into `dp`'s parameters and `opt`'s state, whatever
+/// the strategy and world size that saved it (a collective). Each rank reads only the ranges its
+/// slots hold. Every parameter of the model must be in the checkpoint with the same shape; on any
+/// rank's failure every rank returns an error.
+pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::Result<Report> {
+    let t0 = std::time::Instant::now();
+    let pg = dp.group();
+    let dir = agree(pg, "finding the checkpoint", || resolve(path))?;
+    let meta = agree(pg, "reading the checkpoint's metadata", || read_metadata(&dir))?;
+    let bytes = agree(pg, "reading its pieces", || {
+        let named = dp.model().named_parameters();
+        let shapes = dp.param_shapes();
+        let mut problems = Vec::new();
+        for ((name, _), shape) in named.iter().zip(&shapes) {
+            match meta.tensors.get(&format!("param/{name}")) {
+                None => problems.push(format!("{name} is not in the checkpoint")),
+                Some(t) if &t.shape != shape => {
+                    problems.push(format!("{name}: shape {:?} in the checkpoint, {shape:?} in this model", t.shape))
+                }
+                _ => {}
+            }
+        }
+        ensure!(problems.is_empty(), "{} does not fit this model:\n  {}", dir.display(), problems.join("\n  "));
+        let has_state = !meta.optimizer_steps.is_empty();
+        let slots = dp.slots();
+        let mut readers: BTreeMap<String, files::Reader> = BTreeMap::new();
+        let mut m = Vec::new();
+        let mut v = Vec::new();
+        let mut steps = Vec::new();
+        for slot in &slots {
+            let mut kinds = vec![("param", slot.master.detach())];
+            if has_state {
+                m.push(slot.master.zeros_like());
+                v.push(slot.master.zeros_like());
+                kinds.push(("exp_avg", m.last().unwrap().shallow_clone()));
+                kinds.push(("exp_avg_sq", v.last().unwrap().shallow_clone()));
+                let counts: Vec<u64> =
+                    slot.pieces.iter().filter_map(|(i, ..)| meta.optimizer_steps.get(&named[*i].0).copied()).collect();
+                ensure!(
+                    counts.windows(2).all(|w| w[0] == w[1]),
+                    "one slot holds parameters saved with different AdamW step counts {counts:?}"
+                );
+                steps.push(counts.first().copied().unwrap_or(0));
+            }
+            for (kind, dst) in kinds {
+                let dst = dst.view([-1]);
+                for (i, within, at) in &slot.pieces {
+                    let t = format!("{kind}/{}", named[*i].0);
+                    let tm = meta.tensors.get(&t).with_context(|| format!("{t} is not in the checkpoint"))?;
+                    let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
+                    let reads = plan::plan_reads(&ranges, within.clone()).map_err(|e| anyhow::anyhow!("{t}: {e}"))?;
+                    for r in reads {
+                        let piece = &tm.pieces[r.piece];
+                        let f = &meta
+                            .files
+                            .get(&piece.file)
+                            .with_context(|| format!("{} is not listed in the metadata", piece.file))?;
+                        if !readers.contains_key(&piece.file) {
+                            readers.insert(piece.file.clone(), files::Reader::open(&dir.join(&piece.file), f.bytes)?);
+                        }
+                        let reader = readers.get_mut(&piece.file).unwrap();
+                        let whole = r.src == 0 && r.len == piece.hi - piece.lo;
+                        let vals = if whole {
+                            reader.read_checked(&piece.key, &piece.sha256)?
+                        } else {
+                            reader.read(&piece.key, r.src, r.len)?
+                        };
+                        tch::no_grad(|| dst.narrow(0, at.start + r.dst, r.len).copy_(&Tensor::from_slice(&vals)));
+                    }
+                }
+            }
+        }
+        if has_state {
+            opt.load_state(AdamWState { steps, m, v }).map_err(anyhow::Error::msg)?;
+        }
+        Ok(readers.values().map(|r| r.bytes_read).sum::<u64>())
+    })?;
+    dp.masters_loaded()?;
+    Ok(Report { path: dir, step: meta.step, bytes, seconds: t0.elapsed().as_secs_f64(), extra: meta.extra })
+}

@@ -1,0 +1,316 @@
+//! Distributed checkpoints: saved by one strategy at one world size, loaded by any strategy at any
+//! world size with the same parameters and AdamW state (bitwise), training continues as if never
+//! stopped; a save that fails on one rank leaves the previous checkpoint intact; damaged
+//! checkpoints are refused with errors that name the file.
+
+use shardlab::checkpoint::{self, SaveOptions};
+use shardlab::data::{synthetic_corpus, DistributedSampler};
+use shardlab::ddp::{self, DataParallel};
+use shardlab::model::{Gpt, GptConfig};
+use shardlab::prelude::*;
+use shardlab::zero::{Stage, Zero};
+use std::path::{Path, PathBuf};
+
+const GLOBAL: usize = 12;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum S {
+    Ddp,
+    Zero(Stage),
+}
+
+fn wrap<'a>(pg: &'a ProcessGroup, s: S, seed: u64, p: Precision) -> anyhow::Result<Box<dyn DataParallel + 'a>> {
+    let m = Gpt::new(GptConfig::tiny(), seed)?.with_precision(p);
+    Ok(match s {
+        S::Ddp => ddp::wrap(pg, Box::new(m), ddp::Variant::Bucketed, ddp::DEFAULT_BUCKET_CAP_BYTES)?,
+        S::Zero(st) => Box::new(Zero::new(pg, Box::new(m), st)?),
+    })
+}
+
+fn opt() -> AdamW {
+    AdamW::new(AdamWConfig { lr: 3e-3, eps: 1e-6, ..AdamWConfig::default() })
+}
+
+fn flat(ps: &[Tensor]) -> Vec<f32> {
+    let all = Tensor::cat(&ps.iter().map(|p| p.detach().reshape([-1])).collect::<Vec<_>>(), 0);
+    Vec::<f32>::try_from(&all).unwrap()
+}
+
+fn steps(dp: &mut dyn DataParallel, o: &mut AdamW, from: u64, to: u64) -> anyhow::Result<()> {
+    let (r, n) = (dp.group().rank(), dp.group().world_size());
+    let s = DistributedSampler::new(16, GLOBAL, r, n, 3)?;
+    for step in from..to {
+        ddp::train_step(dp, o, &s.batch(&synthetic_corpus(4000, 7), step), 1, StepConfig::lr(3e-3))?;
+    }
+    Ok(())
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("shardlab-ckpt-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Train DDP on 2 ranks for 2 steps, save, train 2 more: (params at the save, final params).
+fn reference(dir: &Path) -> (Vec<f32>, Vec<f32>) {
+    let dir = dir.to_path_buf();
+    spawn(2, Backend::Local, move |pg| {
+        let mut dp = wrap(pg, S::Ddp, 5, Precision::Fp32)?;
+        let mut o = opt();
+        steps(&mut *dp, &mut o, 0, 2)?;
+        checkpoint::save(&*dp, &o, &dir, 2, json!({"note": "test"}), &SaveOptions::default())?;
+        let at_save = flat(&dp.full_parameters()?);
+        steps(&mut *dp, &mut o, 2, 4)?;
+        Ok((at_save, flat(&dp.full_parameters()?)))
+    })
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn a_checkpoint_loads_into_any_strategy_and_world_size_and_training_continues() {
+    let dir = tmpdir("reshard");
+    let (at_save, uninterrupted) = reference(&dir);
+    let total_bytes: u64 = std::fs::read_dir(dir.join("step-00000002"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    for (s, m) in [
+        (S::Ddp, 2),
+        (S::Ddp, 1),
+        (S::Zero(Stage::One), 3),
+        (S::Zero(Stage::Two), 4),
+        (S::Zero(Stage::Three), 3),
+        (S::Zero(Stage::Three), 4),
+    ] {
+        let d = dir.clone();
+        let out = spawn(m, Backend::Local, move |pg| {
+            let mut dp = wrap(pg, s, 99, Precision::Fp32)?; // other weights: the load must replace them all
+            let mut o = opt();
+            let r = checkpoint::load(&mut *dp, &mut o, &d)?;
+            let loaded = flat(&dp.full_parameters()?);
+            steps(&mut *dp, &mut o, r.step, 4)?;
+            Ok((r.step, r.bytes, r.extra, loaded, flat(&dp.full_parameters()?)))
+        })
+        .unwrap();
+        for (rank, (step, bytes, extra, loaded, fin)) in out.iter().enumerate() {
+            assert_eq!(*step, 2);
+            assert_eq!(extra["note"], "test", "the job's state comes back");
+            assert!(
+                loaded == &at_save,
+                "{s:?} at {m} ranks, rank {rank}: the loaded parameters differ from the saved ones"
+            );
+            let worst = fin.iter().zip(&uninterrupted).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            if (s, m) == (S::Ddp, 2) {
+                assert_eq!(worst, 0.0, "same strategy and world size: resuming is bitwise the uninterrupted run");
+            } else {
+                // Other reduction orders: AdamW amplifies rounding in near-zero gradients (eps 1e-6).
+                assert!(
+                    worst < 1e-4,
+                    "{s:?} at {m} ranks, rank {rank}: 2 steps after loading, {worst} from the uninterrupted run"
+                );
+            }
+            if matches!(s, S::Zero(Stage::Three)) {
+                assert!(
+                    (*bytes as f64) < 1.6 * total_bytes as f64 / m as f64,
+                    "{s:?} at {m} ranks, rank {rank}: read {bytes} bytes of {total_bytes}: only its shard's ranges should be read"
+                );
+            }
+        }
+    }
+    // Into bf16 masters and out: the fp32 masters load into a bf16 ZeRO-3 (its shards are f32).
+    let d = dir.clone();
+    let loaded = spawn(2, Backend::Local, move |pg| {
+        let mut dp = wrap(pg, S::Zero(Stage::Three), 99, Precision::Bf16)?;
+        checkpoint::load(&mut *dp, &mut opt(), &d)?;
+        Ok(flat(&dp.full_parameters()?))
+    })
+    .unwrap();
+    assert!(loaded[0] == at_save, "bf16 ZeRO-3 loads the fp32 masters exactly");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_failed_save_leaves_the_previous_checkpoint_intact() {
+    let dir = tmpdir("atomic");
+    let d = dir.clone();
+    let errors = spawn(2, Backend::Local, move |pg| {
+        let mut dp = wrap(pg, S::Zero(Stage::Two), 5, Precision::Fp32)?;
+        let mut o = opt();
+        steps(&mut *dp, &mut o, 0, 1)?;
+        checkpoint::save(&*dp, &o, &d, 1, json!({}), &SaveOptions::default())?;
+        steps(&mut *dp, &mut o, 1, 2)?;
+        // Rank 1's disk fills up 1000 bytes into its file.
+        let fail = (pg.rank() == 1).then_some(1000);
+        let e =
+            checkpoint::save(&*dp, &o, &d, 2, json!({}), &SaveOptions { fail_after_bytes: fail, ..Default::default() });
+        Ok(e.err().map(|e| format!("{e:#}")))
+    })
+    .unwrap();
+    for (rank, e) in errors.iter().enumerate() {
+        let e = e.as_ref().unwrap_or_else(|| panic!("rank {rank}: the failed save must be an error on every rank"));
+        assert!(e.contains("rank 1"), "rank {rank}: the error names the failing rank: {e}");
+    }
+    assert!(errors[1].as_ref().unwrap().contains("no space left"), "{:?}", errors[1]);
+    assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), "step-00000001", "latest still names step 1");
+    assert!(dir.join("step-00000002.tmp").is_dir() && !dir.join("step-00000002").exists());
+    assert_eq!(checkpoint::resolve(&dir).unwrap(), dir.join("step-00000001"));
+    // The next save removes the unfinished one and keeps only the last 1 with keep_last.
+    let d = dir.clone();
+    spawn(2, Backend::Local, move |pg| {
+        let dp = wrap(pg, S::Zero(Stage::Two), 5, Precision::Fp32)?;
+        checkpoint::save(&*dp, &opt(), &d, 3, json!({}), &SaveOptions { keep_last: Some(1), ..Default::default() })?;
+        Ok(())
+    })
+    .unwrap();
+    let names: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
+    assert_eq!(checkpoint::committed(&dir).len(), 1, "keep_last 1: {names:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Load `dir` on 2 ranks of ZeRO-3 (or of another model config): the error text of rank 0.
+fn load_error(dir: &Path, cfg: GptConfig) -> String {
+    let d = dir.to_path_buf();
+    let out = spawn(2, Backend::Local, move |pg| {
+        let mut dp: Box<dyn DataParallel> = Box::new(Zero::new(pg, Box::new(Gpt::new(cfg, 1)?), Stage::Three)?);
+        Ok(checkpoint::load(&mut *dp, &mut opt(), &d).err().map(|e| format!("{e:#}")))
+    })
+    .unwrap();
+    assert!(out.iter().all(|e| e.is_some()), "every rank must refuse: {out:?}");
+    out[0].clone().unwrap()
+}
+
+#[test]
+fn damaged_checkpoints_are_refused_with_errors_that_name_the_file() {
+    let dir = tmpdir("damaged");
+    reference(&dir);
+    let ck = dir.join("step-00000002");
+    let copy = |tag: &str| {
+        let d = tmpdir(tag);
+        std::fs::create_dir_all(&d).unwrap();
+        for e in std::fs::read_dir(&ck).unwrap().flatten() {
+            std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+        }
+        d
+    };
+    let tiny = GptConfig::tiny();
+    // Truncated rank file.
+    let d = copy("trunc");
+    let f = d.join("rank-00001.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 100).unwrap();
+    let e = load_error(&d, tiny);
+    assert!(e.contains("rank-00001.safetensors") && e.contains("truncated"), "{e}");
+    // One flipped byte in the data (the last piece of rank 0's file).
+    let d = copy("flip");
+    let f = d.join("rank-00000.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let k = bytes.len() - 3;
+    bytes[k] ^= 0x40;
+    std::fs::write(&f, &bytes).unwrap();
+    let d2 = d.clone();
+    let out = spawn(2, Backend::Local, move |pg| {
+        // DDP at 2 ranks reads every piece whole: the checksum of the damaged one fails.
+        let mut dp = wrap(pg, S::Ddp, 1, Precision::Fp32)?;
+        Ok(checkpoint::load(&mut *dp, &mut opt(), &d2).err().map(|e| format!("{e:#}")))
+    })
+    .unwrap();
+    let e = out[0].clone().expect("a flipped byte must be refused");
+    assert!(e.contains("checksum") && e.contains("rank-00000.safetensors"), "{e}");
+    // Missing rank file.
+    let d = copy("missing");
+    std::fs::remove_file(d.join("rank-00001.safetensors")).unwrap();
+    let e = load_error(&d, tiny);
+    assert!(e.contains("rank-00001.safetensors"), "{e}");
+    // Another model configuration: the mismatched parameters are listed.
+    let e = load_error(&ck, GptConfig { n_embd: 48, n_head: 2, ..tiny });
+    assert!(e.contains("does not fit this model") && e.contains("transformer.wte.weight"), "{e}");
+    let e = load_error(&ck, GptConfig { n_layer: 3, ..tiny });
+    assert!(e.contains("transformer.h.2.ln_1.weight is not in the checkpoint"), "{e}");
+    // Unknown format version.
+    let d = copy("version");
+    let p = d.join("metadata.json");
+    let text = std::fs::read_to_string(&p).unwrap().replacen("\"format_version\": 1", "\"format_version\": 7", 1);
+    std::fs::write(&p, text).unwrap();
+    let e = load_error(&d, tiny);
+    assert!(e.contains("format version 7"), "{e}");
+    // Not a checkpoint.
+    let d = tmpdir("empty");
+    std::fs::create_dir_all(d.join("step-00000005.tmp")).unwrap();
+    let e = load_error(&d, tiny);
+    assert!(e.contains("no committed checkpoint"), "{e}");
+    for t in ["trunc", "flip", "missing", "version", "empty", "damaged"] {
+        let _ = std::fs::remove_dir_all(tmpdir(t));
+    }
+}
+
+/// `train --resume`: 6 steps straight, and 3 steps + a checkpoint + 3 resumed steps, end with the
+/// same losses and bitwise the same weights at the same world size; resumed on 4 ranks of ZeRO-3
+/// instead of 2 of DDP (the same global batch), the same within float tolerance. fp16's loss scaler resumes too.
+#[test]
+fn resuming_a_job_continues_it_exactly() {
+    use shardlab::job::{CheckpointConfig, DataSource, GptJob};
+    let dir = tmpdir("resume");
+    std::fs::create_dir_all(&dir).unwrap();
+    let job = |steps: u64, save: &str, ck: CheckpointConfig| GptJob {
+        model: GptConfig::tiny(),
+        batch_size: 4,
+        accum: 2,
+        steps,
+        warmup: 0,
+        optim: AdamWConfig { lr: 3e-3, eps: 1e-6, ..AdamWConfig::default() },
+        lr_schedule: Some(LrSchedule { max_lr: 3e-3, min_lr: 3e-4, warmup_iters: 2, decay_iters: 6 }),
+        grad_clip: Some(1.0),
+        data: DataSource::Synthetic { tokens: 4000, seed: 7 },
+        seed: 1,
+        init: None,
+        save: Some(dir.join(save)),
+        checkpoint: ck,
+    };
+    let scaling = |n: usize, strategy: Strategy, precision: Precision| ScalingConfig {
+        num_workers: n,
+        strategy,
+        precision,
+        ..ScalingConfig::default()
+    };
+    let ck = dir.join("ck");
+    for precision in [Precision::Fp32, Precision::Fp16] {
+        let straight = job(6, "straight.safetensors", CheckpointConfig::default())
+            .fit(scaling(2, Strategy::Ddp, precision), false, false)
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&ck);
+        let first = CheckpointConfig { dir: Some(ck.clone()), every: 3, ..Default::default() };
+        // The first half runs 6 steps' schedule but stops after 3: a job that is killed after its save.
+        let half = job(3, "half.safetensors", first).fit(scaling(2, Strategy::Ddp, precision), false, false).unwrap();
+        assert!(ck.join("step-00000003").join("metadata.json").is_file());
+        let resume = CheckpointConfig { resume: Some(ck.clone()), ..Default::default() };
+        let rest = job(6, "resumed.safetensors", resume.clone())
+            .fit(scaling(2, Strategy::Ddp, precision), false, false)
+            .unwrap();
+        let losses: Vec<f64> = half.losses.iter().chain(&rest.losses).copied().collect();
+        assert_eq!(losses, straight.losses, "{precision:?}: the resumed run's losses are the straight run's");
+        let a = std::fs::read(dir.join("straight.safetensors")).unwrap();
+        assert!(
+            a == std::fs::read(dir.join("resumed.safetensors")).unwrap(),
+            "{precision:?}: bitwise the same weights"
+        );
+        if precision == Precision::Fp32 {
+            // 4 ranks of 2 rows: the same global batch of 8 rows.
+            let other = GptJob { batch_size: 2, ..job(6, "zero3.safetensors", resume) }
+                .fit(scaling(4, Strategy::Zero3, precision), false, false)
+                .unwrap();
+            let worst = other.losses.iter().zip(&straight.losses[3..]).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+            assert!(worst < 1e-4, "resumed on 4 ranks of ZeRO-3: losses within {worst} of the straight run");
+        }
+    }
+    // A checkpoint of another model is refused with the fields that differ.
+    let mut other = job(6, "x.safetensors", CheckpointConfig { resume: Some(ck.clone()), ..Default::default() });
+    other.seed = 2;
+    let e = format!("{:#}", other.fit(scaling(2, Strategy::Ddp, Precision::Fp32), false, false).unwrap_err());
+    assert!(e.contains("seed: 1 in the checkpoint, 2 here"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
