@@ -180,6 +180,7 @@ impl GptJob {
         // A run shorter than its warm-up still runs: it times its last step.
         let warmup = (start + self.warmup).min(self.steps.saturating_sub(1));
         for step in start..self.steps {
+            crate::launch::injected_failure("step", rank, step)?;
             let batch = sampler.batch(&data, step);
             ctx.group().barrier()?;
             let t0 = Instant::now();
@@ -289,6 +290,74 @@ impl GptJob {
         Ok(())
     }
 
+    /// Run under a supervisor, like torchrun's `--max-restarts` (lesson 10): when a rank dies or
+    /// fails, the launcher stops the others (their collectives fail), and the job starts again —
+    /// a new generation: new processes, a new rendezvous (port and secret), so no rank of the old
+    /// generation can join — from the latest committed checkpoint in `checkpoint.dir`. With
+    /// `shrink_on_failure` the new generation has one rank fewer (down to `min_world_size`), the
+    /// same global batch, and resharding happens on load. Gives up after `max_restarts`.
+    pub fn fit_elastic(
+        &self,
+        scaling: ScalingConfig,
+        elastic: &Elastic,
+        progress: bool,
+        json_lines: bool,
+    ) -> anyhow::Result<(RunSummary, Vec<Attempt>)> {
+        let dir = self.checkpoint.dir.clone().ok_or_else(|| {
+            anyhow::anyhow!(
+                "an elastic run restarts from its checkpoints: give it a checkpoint folder (--checkpoint-dir)"
+            )
+        })?;
+        anyhow::ensure!(self.checkpoint.every > 0, "an elastic run needs checkpoints during training (--save-every)");
+        if crate::launch::is_spawned_child() {
+            // A worker of generation g: the supervisor put g's job and scaling in the environment
+            // (whatever elastic run this process reached first, it runs its driver's current one).
+            let (job, scaling): (GptJob, ScalingConfig) = serde_json::from_str(&std::env::var(ENV_ELASTIC)?)?;
+            crate::launch::align_spawn_call_with_driver();
+            let s = job.fit(scaling, false, false)?;
+            return Ok((s, vec![]));
+        }
+        let mut attempts: Vec<Attempt> = Vec::new();
+        let (mut world_size, mut batch_size) = (scaling.num_workers, self.batch_size);
+        for generation in 0..=elastic.max_restarts {
+            let resume = if generation == 0 {
+                self.checkpoint.resume.clone()
+            } else {
+                crate::checkpoint::committed(&dir).last().map(|_| dir.clone())
+            };
+            let attempt = Attempt { generation, world_size, batch_size, resume, error: None };
+            let job = attempt.job(self);
+            let s = ScalingConfig { num_workers: world_size, ..scaling.clone() };
+            std::env::set_var(crate::launch::ENV_GENERATION, generation.to_string());
+            std::env::set_var(ENV_ELASTIC, serde_json::to_string(&(&job, &s))?);
+            let r = job.fit(s, progress, json_lines);
+            attempts.push(attempt);
+            match r {
+                Ok(s) => return Ok((s, attempts)),
+                Err(e) => {
+                    attempts.last_mut().expect("pushed").error = Some(format!("{e:#}"));
+                    if generation == elastic.max_restarts {
+                        anyhow::bail!(
+                            "gave up after {} restart(s) (--max-restarts); the last generation failed with: {e:#}",
+                            elastic.max_restarts
+                        );
+                    }
+                    if elastic.shrink_on_failure && world_size > elastic.min_world_size.max(1) {
+                        let global = batch_size * world_size;
+                        anyhow::ensure!(
+                            global % (world_size - 1) == 0,
+                            "cannot go on with {} ranks: the global batch of {global} rows does not split evenly",
+                            world_size - 1
+                        );
+                        world_size -= 1;
+                        batch_size = global / world_size;
+                    }
+                }
+            }
+        }
+        unreachable!("the loop returns")
+    }
+
     /// Check, then run on `scaling`'s workers; rank 0's summary.
     pub fn fit(&self, scaling: ScalingConfig, progress: bool, json_lines: bool) -> anyhow::Result<RunSummary> {
         if !crate::launch::is_spawned_child() {
@@ -302,6 +371,41 @@ impl GptJob {
         Ok(fit.results.remove(0))
     }
 }
+
+/// Restart policy of [`GptJob::fit_elastic`].
+#[derive(Clone, Debug, Default)]
+pub struct Elastic {
+    /// Restarts after the first attempt before giving up (torchrun's `--max-restarts`).
+    pub max_restarts: u32,
+    /// Never go below this many ranks when shrinking.
+    pub min_world_size: usize,
+    /// After a failure, continue with one rank fewer (the failed rank's machine is gone).
+    pub shrink_on_failure: bool,
+}
+
+/// One generation of an elastic run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Attempt {
+    pub generation: u32,
+    pub world_size: usize,
+    /// Rows per rank (the global batch stays the same when the world shrinks).
+    pub batch_size: usize,
+    /// The checkpoint folder it resumed from (its latest), if any.
+    pub resume: Option<PathBuf>,
+    /// How it ended, if it failed.
+    pub error: Option<String>,
+}
+
+impl Attempt {
+    fn job(&self, base: &GptJob) -> GptJob {
+        let mut j = base.clone();
+        j.batch_size = self.batch_size;
+        j.checkpoint.resume = self.resume.clone();
+        j
+    }
+}
+
+const ENV_ELASTIC: &str = "SHARDLAB_ELASTIC_ATTEMPT";
 
 /// A [`ScalingConfig`] for `strategy` on `world_size` workers (single: one local worker).
 pub fn scaling(

@@ -113,6 +113,44 @@ pub fn is_spawned_child() -> bool {
     std::env::var_os(ENV_CHILD).is_some()
 }
 
+/// In a worker process started by the `k`-th process spawn of its driver, make the next spawn
+/// call of this process count as the `k`-th, so that it runs its rank there. For drivers that
+/// spawn again after a failure (an elastic restart): the worker of a later generation reaches
+/// that generation's spawn as its first. No-op outside worker processes.
+pub fn align_spawn_call_with_driver() {
+    if let Some(k) = std::env::var(ENV_CHILD).ok().and_then(|t| t.parse::<usize>().ok()) {
+        SPAWN_CALLS.store(k, Ordering::SeqCst);
+    }
+}
+
+/// Fault injection for tests and demos: `SHARDLAB_FAIL_AT=POINT:RANK:STEP[:GENERATION]` makes rank
+/// RANK fail at POINT (`step`: before training step STEP; `save`: in the save of step STEP, after
+/// writing its file and before the commit) in elastic generation GENERATION (default 0). A worker
+/// process kills itself with SIGKILL (a crash: no message, no cleanup); a worker thread returns an error.
+pub fn injected_failure(point: &str, rank: usize, step: u64) -> anyhow::Result<()> {
+    let Ok(spec) = std::env::var("SHARDLAB_FAIL_AT") else { return Ok(()) };
+    let parts: Vec<&str> = spec.split(':').collect();
+    let generation: u64 = std::env::var(ENV_GENERATION).ok().and_then(|g| g.parse().ok()).unwrap_or(0);
+    let hit = parts.len() >= 3
+        && parts[0] == point
+        && parts[1].parse() == Ok(rank)
+        && parts[2].parse() == Ok(step)
+        && parts.get(3).map_or(0, |g| g.parse().unwrap_or(u64::MAX)) == generation;
+    if !hit {
+        return Ok(());
+    }
+    if is_spawned_child() {
+        eprintln!("shardlab: SHARDLAB_FAIL_AT={spec}: rank {rank} kills itself at {point} {step}");
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+    anyhow::bail!("rank {rank}: injected failure at {point} {step} (SHARDLAB_FAIL_AT={spec})")
+}
+
+/// The elastic generation this process runs in (set by the supervisor, [`crate::job::GptJob::fit_elastic`]).
+pub const ENV_GENERATION: &str = "SHARDLAB_GENERATION";
+
 /// Run `f` on `world_size` ranks of `backend` and collect the results in rank order.
 pub fn spawn<R, F>(world_size: usize, backend: Backend, f: F) -> Result<Vec<R>, LaunchError>
 where

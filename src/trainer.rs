@@ -88,7 +88,7 @@ impl Strategy {
 }
 
 /// How many workers and how they talk (Ray Train's `ScalingConfig`, plus the parallel strategy).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ScalingConfig {
     pub num_workers: usize,
     /// GPUs need the NCCL backend of lesson 11; `true` is refused until then.

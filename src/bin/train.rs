@@ -61,6 +61,16 @@ struct Args {
     /// strategy and world size can resume any checkpoint of the same model.
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
+    /// Elastic: when a rank dies or fails, restart every rank from the latest checkpoint, up to
+    /// this many times (torchrun's --max-restarts; needs --checkpoint-dir and --save-every).
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
+    /// Elastic: after a failure, go on with one rank fewer (as if the failed rank's machine were
+    /// gone), the same global batch, down to --min-world-size ranks.
+    #[arg(long)]
+    shrink_on_failure: bool,
+    #[arg(long, default_value_t = 1)]
+    min_world_size: usize,
     #[arg(long)]
     no_reshard_after_forward: bool,
     /// Compute precision: fp32, bf16 (matrix multiplies in bfloat16, fp32 master weights, residual
@@ -232,7 +242,35 @@ fn main() -> anyhow::Result<()> {
     scaling.activation_checkpointing = args.activation_checkpointing;
     scaling.precision = args.precision;
     scaling.reduce_dtype = args.reduce_dtype;
-    let s = args.job().fit(scaling, !args.json, args.json)?;
+    let s = if args.max_restarts > 0 || args.shrink_on_failure {
+        let elastic = job::Elastic {
+            max_restarts: args.max_restarts,
+            min_world_size: args.min_world_size,
+            shrink_on_failure: args.shrink_on_failure,
+        };
+        let (s, attempts) = args.job().fit_elastic(scaling, &elastic, !args.json, args.json)?;
+        for a in attempts.iter().filter(|a| a.error.is_some()) {
+            eprintln!(
+                "generation {} ({} ranks) failed: {}",
+                a.generation,
+                a.world_size,
+                a.error.as_deref().unwrap_or_default().lines().next().unwrap_or_default()
+            );
+        }
+        if attempts.len() > 1 {
+            let last = attempts.last().expect("one attempt at least");
+            eprintln!(
+                "restarted {} time(s); generation {} ran on {} ranks from {}",
+                attempts.len() - 1,
+                last.generation,
+                last.world_size,
+                last.resume.as_deref().map_or("the start".into(), |p| p.display().to_string())
+            );
+        }
+        s
+    } else {
+        args.job().fit(scaling, !args.json, args.json)?
+    };
     if args.json {
         let mut v = serde_json::to_value(&s)?;
         v["summary"] = json!(true);

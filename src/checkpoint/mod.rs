@@ -256,6 +256,7 @@ pub fn save(
         let index =
             RankIndex { rank, file, meta: FileMeta { bytes: w.bytes, sha256: w.sha256 }, pieces, optimizer_steps };
         write_synced(&tmp.join(format!("rank-{rank:05}.json")), &serde_json::to_vec(&index)?)?;
+        crate::launch::injected_failure("save", rank, step)?;
         Ok(w.bytes)
     })?;
     // ---- rank 0 merges the indexes, writes the metadata last, commits ----
