@@ -120,6 +120,23 @@ fn a_checkpoint_loads_into_any_strategy_and_world_size_and_training_continues() 
             }
         }
     }
+    // Consolidated into one file with nanoGPT's names, f32 and bf16, one tensor at a time.
+    let out = dir.join("model.safetensors");
+    let c = checkpoint::consolidate(&dir, &out, false).unwrap();
+    assert_eq!(c.tensors, 29, "the 28 parameters and lm_head.weight");
+    assert_eq!(c.largest_tensor_numel, 128 * 32, "the MLP matrices are the tiny GPT's largest");
+    let m = Gpt::new(GptConfig::tiny(), 99).unwrap();
+    m.load_safetensors(&out).unwrap();
+    assert!(flat(&m.parameters()) == at_save, "the consolidated file holds the saved parameters");
+    checkpoint::consolidate(&dir, &out, true).unwrap();
+    let b = Tensor::read_safetensors(&out).unwrap();
+    assert!(b.iter().all(|(_, t)| t.kind() == Kind::BFloat16));
+    m.load_safetensors(&out).unwrap();
+    let rounded: Vec<f32> = {
+        let t = Tensor::from_slice(&at_save).to_kind(Kind::BFloat16).to_kind(Kind::Float);
+        Vec::<f32>::try_from(&t).unwrap()
+    };
+    assert!(flat(&m.parameters()) == rounded, "--bf16: the saved parameters rounded to bf16");
     // Into bf16 masters and out: the fp32 masters load into a bf16 ZeRO-3 (its shards are f32).
     let d = dir.clone();
     let loaded = spawn(2, Backend::Local, move |pg| {

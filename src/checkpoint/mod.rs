@@ -433,3 +433,92 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
     dp.masters_loaded()?;
     Ok(Report { path: dir, step: meta.step, bytes, seconds: t0.elapsed().as_secs_f64(), extra: meta.extra })
 }
+
+/// What [`consolidate`] wrote.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Consolidated {
+    pub tensors: usize,
+    pub bytes_written: u64,
+    pub bytes_read: u64,
+    /// Elements of the largest tensor: the most this holds in memory at once.
+    pub largest_tensor_numel: i64,
+}
+
+/// Write the parameters of the checkpoint at `path` ([`resolve`]) as one safetensors file at `out`
+/// with the model's names, in f32 or bf16 (`bf16`), one tensor at a time: the header first (every
+/// size is in the metadata), then each tensor assembled from its pieces — so memory holds one
+/// tensor, never the model. Every piece is read whole and checked against its checksum. A GPT
+/// checkpoint (it has `transformer.wte.weight`) also gets `lm_head.weight`, the tied embedding,
+/// as nanoGPT's state dict has it. Written to `out.tmp`, fsynced, then
+/// renamed to `out`.
+pub fn consolidate(path: &Path, out: &Path, bf16: bool) -> anyhow::Result<Consolidated> {
+    use std::io::Write;
+    let dir = resolve(path)?;
+    let meta = read_metadata(&dir)?;
+    let mut names: Vec<(String, String)> =
+        meta.tensors.keys().filter_map(|t| t.strip_prefix("param/").map(|n| (n.to_string(), t.clone()))).collect();
+    // nanoGPT's GPT ties lm_head to wte and its state dict lists both.
+    let tied = meta.tensors.contains_key("param/transformer.wte.weight");
+    if tied && !meta.tensors.contains_key("param/lm_head.weight") {
+        names.push(("lm_head.weight".into(), "param/transformer.wte.weight".into()));
+    }
+    let elem = if bf16 { 2u64 } else { 4 };
+    let mut header = serde_json::Map::new();
+    let mut offset = 0u64;
+    let mut largest = 0i64;
+    for (name, t) in &names {
+        let shape = &meta.tensors[t].shape;
+        let numel = shape.iter().product::<i64>();
+        largest = largest.max(numel);
+        let n = elem * numel as u64;
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": if bf16 { "BF16" } else { "F32" }, "shape": shape, "data_offsets": [offset, offset + n]}),
+        );
+        offset += n;
+    }
+    let mut head = serde_json::to_vec(&serde_json::Value::Object(header))?;
+    while head.len() % 8 != 0 {
+        head.push(b' ');
+    }
+    let tmp = out.with_extension("tmp");
+    let file = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    w.write_all(&(head.len() as u64).to_le_bytes())?;
+    w.write_all(&head)?;
+    let mut readers: BTreeMap<String, files::Reader> = BTreeMap::new();
+    for (name, t) in &names {
+        let tm = &meta.tensors[t];
+        let numel = tm.shape.iter().product::<i64>();
+        let mut values = vec![0f32; numel as usize]; // one tensor in memory
+        let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
+        for r in plan::plan_reads(&ranges, 0..numel).map_err(|e| anyhow::anyhow!("{t}: {e}"))? {
+            let piece = &tm.pieces[r.piece];
+            let f =
+                meta.files.get(&piece.file).with_context(|| format!("{} is not listed in the metadata", piece.file))?;
+            if !readers.contains_key(&piece.file) {
+                readers.insert(piece.file.clone(), files::Reader::open(&dir.join(&piece.file), f.bytes)?);
+            }
+            let vals = readers.get_mut(&piece.file).expect("opened").read_checked(&piece.key, &piece.sha256)?;
+            values[(r.dst) as usize..(r.dst + r.len) as usize]
+                .copy_from_slice(&vals[r.src as usize..(r.src + r.len) as usize]);
+        }
+        if bf16 {
+            let t = Tensor::from_slice(&values).to_kind(tch::Kind::BFloat16);
+            let b = crate::comm::dtype::TensorBytes::of(&t, name).map_err(anyhow::Error::msg)?;
+            w.write_all(b.bytes())?;
+        } else {
+            let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+            w.write_all(&bytes)?;
+        }
+    }
+    let file = w.into_inner().map_err(|e| anyhow::anyhow!("writing {}: {}", tmp.display(), e.error()))?;
+    file.sync_all()?;
+    let bytes_written = file.metadata()?.len();
+    std::fs::rename(&tmp, out).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fsync_dir(parent)?;
+    }
+    let bytes_read = readers.values().map(|r| r.bytes_read).sum();
+    Ok(Consolidated { tensors: names.len(), bytes_written, bytes_read, largest_tensor_numel: largest })
+}
