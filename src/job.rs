@@ -160,14 +160,15 @@ impl GptJob {
         let mut start = 0;
         if let Some(from) = &self.checkpoint.resume {
             let r = crate::checkpoint::load(&mut *dp, &mut opt, from)?;
-            self.check_resumable(&r.extra)?;
+            self.check_resumable(&r.extra, n)?;
             if let (Some(s), Some(saved)) = (scaler.as_mut(), r.extra.get("scaler").filter(|v| !v.is_null())) {
                 *s = serde_json::from_value(saved.clone())?;
             }
             start = r.step;
             anyhow::ensure!(
-                start < self.steps,
-                "the checkpoint is at step {start}: nothing is left of this run's {} steps (ask for more --steps)",
+                start <= self.steps,
+                "the checkpoint is at step {start}, past this run's {} steps (to train on, ask for more --steps with \
+                 the same LR schedule: --lr-decay-iters)",
                 self.steps
             );
         }
@@ -244,7 +245,7 @@ impl GptJob {
                 crate::model::write_state_dict(dp.model().state_dict_of(full), p)?;
             }
         }
-        let sent_per_step = (ctx.group().stats().bytes_sent - sent0) as f64 / (self.steps - start) as f64;
+        let sent_per_step = (ctx.group().stats().bytes_sent - sent0) as f64 / (self.steps - start).max(1) as f64;
         let median = crate::bench::median(&mut step_s);
         let st = dp.stats();
         let strategy = ctx.scaling().strategy;
@@ -273,10 +274,23 @@ impl GptJob {
 
     /// A checkpoint's job state against this job: the model must be the same, and so must the
     /// seed (or the resumed run would not continue the saved one).
-    fn check_resumable(&self, extra: &serde_json::Value) -> anyhow::Result<()> {
+    fn check_resumable(&self, extra: &serde_json::Value, world_size: usize) -> anyhow::Result<()> {
         let Some(saved) = extra.get("job") else { return Ok(()) };
         let saved: GptJob = serde_json::from_value(saved.clone())?;
         let mut diffs = Vec::new();
+        let saved_ranks = extra.get("world_size").and_then(|w| w.as_u64()).unwrap_or(1) as usize;
+        let mut same = |what: &str, a: String, b: String| {
+            if a != b {
+                diffs.push(format!("{what}: {a} in the checkpoint, {b} here"));
+            }
+        };
+        same("accum", saved.accum.to_string(), self.accum.to_string());
+        same("optim", format!("{:?}", saved.optim), format!("{:?}", self.optim));
+        same("lr_schedule", format!("{:?}", saved.schedule()), format!("{:?}", self.schedule()));
+        same("grad_clip", format!("{:?}", saved.grad_clip), format!("{:?}", self.grad_clip));
+        same("data", format!("{:?}", saved.data), format!("{:?}", self.data));
+        let global = |j: &GptJob, n: usize| format!("{} rows", j.batch_size * n);
+        same("global batch", global(&saved, saved_ranks), global(self, world_size));
         let (a, b) = (serde_json::to_value(saved.model)?, serde_json::to_value(self.model)?);
         for (k, v) in a.as_object().into_iter().flatten() {
             if b.get(k) != Some(v) {
@@ -319,11 +333,20 @@ impl GptJob {
         }
         let mut attempts: Vec<Attempt> = Vec::new();
         let (mut world_size, mut batch_size) = (scaling.num_workers, self.batch_size);
+        // The variables that tell workers their generation live as long as this run.
+        struct Unset;
+        impl Drop for Unset {
+            fn drop(&mut self) {
+                std::env::remove_var(crate::launch::ENV_GENERATION);
+                std::env::remove_var(ENV_ELASTIC);
+            }
+        }
+        let _unset = Unset;
         for generation in 0..=elastic.max_restarts {
-            let resume = if generation == 0 {
-                self.checkpoint.resume.clone()
-            } else {
-                crate::checkpoint::committed(&dir).last().map(|_| dir.clone())
+            // From the latest checkpoint of this run's folder, else where the run itself started.
+            let resume = match crate::checkpoint::try_committed(&dir)?.last() {
+                Some(_) if generation > 0 => Some(dir.clone()),
+                _ => self.checkpoint.resume.clone(),
             };
             let attempt = Attempt { generation, world_size, batch_size, resume, error: None };
             let job = attempt.job(self);
@@ -344,13 +367,16 @@ impl GptJob {
                     }
                     if elastic.shrink_on_failure && world_size > elastic.min_world_size.max(1) {
                         let global = batch_size * world_size;
-                        anyhow::ensure!(
-                            global % (world_size - 1) == 0,
-                            "cannot go on with {} ranks: the global batch of {global} rows does not split evenly",
-                            world_size - 1
-                        );
-                        world_size -= 1;
-                        batch_size = global / world_size;
+                        if global % (world_size - 1) == 0 {
+                            world_size -= 1;
+                            batch_size = global / world_size;
+                        } else {
+                            eprintln!(
+                                "elastic: staying at {world_size} ranks: the global batch of {global} rows does not \
+                                 split over {}",
+                                world_size - 1
+                            );
+                        }
                     }
                 }
             }

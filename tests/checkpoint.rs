@@ -85,12 +85,16 @@ fn a_checkpoint_loads_into_any_strategy_and_world_size_and_training_continues() 
         (S::Zero(Stage::Three), 3),
         (S::Zero(Stage::Three), 4),
     ] {
-        let d = dir.clone();
+        let (d, again) = (dir.clone(), dir.join("again"));
         let out = spawn(m, Backend::Local, move |pg| {
             let mut dp = wrap(pg, s, 99, Precision::Fp32)?; // other weights: the load must replace them all
             let mut o = opt();
             let r = checkpoint::load(&mut *dp, &mut o, &d)?;
             let loaded = flat(&dp.full_parameters()?);
+            if (s, m) == (S::Zero(Stage::Three), 3) {
+                // Saved again from ZeRO-3's padded shards: checked below by loading it into DDP.
+                checkpoint::save(&*dp, &o, &again, r.step, r.extra.clone(), &SaveOptions::default())?;
+            }
             steps(&mut *dp, &mut o, r.step, 4)?;
             Ok((r.step, r.bytes, r.extra, loaded, flat(&dp.full_parameters()?)))
         })
@@ -120,6 +124,32 @@ fn a_checkpoint_loads_into_any_strategy_and_world_size_and_training_continues() 
             }
         }
     }
+    // The ZeRO-3 × 3 save of the loaded state, back into DDP × 2: the same parameters, and (AdamW's
+    // moments and step counts restored too) bitwise the uninterrupted run after 2 more steps.
+    let again = dir.join("again");
+    let out = spawn(2, Backend::Local, move |pg| {
+        let mut dp = wrap(pg, S::Ddp, 98, Precision::Fp32)?;
+        let mut o = opt();
+        let r = checkpoint::load(&mut *dp, &mut o, &again)?;
+        let loaded = flat(&dp.full_parameters()?);
+        steps(&mut *dp, &mut o, r.step, 4)?;
+        Ok((loaded, flat(&dp.full_parameters()?)))
+    })
+    .unwrap();
+    assert!(out[0].0 == at_save, "saved by ZeRO-3 on 3 ranks, loaded by DDP on 2: the same parameters");
+    let worst = out[0].1.iter().zip(&uninterrupted).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst < 1e-4, "and AdamW's state with them: 2 steps later {worst} from the uninterrupted run");
+    // bf16 ZeRO-1: the loaded f32 master shards reach the bf16 working copy every rank computes with.
+    let d = dir.clone();
+    let working = spawn(2, Backend::Local, move |pg| {
+        let mut dp = wrap(pg, S::Zero(Stage::One), 99, Precision::Bf16)?;
+        checkpoint::load(&mut *dp, &mut opt(), &d)?;
+        Ok(flat(&dp.model().parameters().iter().map(|p| p.to_kind(Kind::Float)).collect::<Vec<_>>()))
+    })
+    .unwrap();
+    let rounded: Vec<f32> =
+        Vec::<f32>::try_from(&Tensor::from_slice(&at_save).to_kind(Kind::BFloat16).to_kind(Kind::Float)).unwrap();
+    assert!(working.iter().all(|w| w == &rounded), "bf16 ZeRO-1's working parameters are the loaded masters in bf16");
     // Consolidated into one file with nanoGPT's names, f32 and bf16, one tensor at a time.
     let out = dir.join("model.safetensors");
     let c = checkpoint::consolidate(&dir, &out, false).unwrap();
@@ -132,10 +162,6 @@ fn a_checkpoint_loads_into_any_strategy_and_world_size_and_training_continues() 
     let b = Tensor::read_safetensors(&out).unwrap();
     assert!(b.iter().all(|(_, t)| t.kind() == Kind::BFloat16));
     m.load_safetensors(&out).unwrap();
-    let rounded: Vec<f32> = {
-        let t = Tensor::from_slice(&at_save).to_kind(Kind::BFloat16).to_kind(Kind::Float);
-        Vec::<f32>::try_from(&t).unwrap()
-    };
     assert!(flat(&m.parameters()) == rounded, "--bf16: the saved parameters rounded to bf16");
     // Into bf16 masters and out: the fp32 masters load into a bf16 ZeRO-3 (its shards are f32).
     let d = dir.clone();
@@ -186,6 +212,30 @@ fn a_failed_save_leaves_the_previous_checkpoint_intact() {
         std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
     assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
     assert_eq!(checkpoint::committed(&dir).len(), 1, "keep_last 1: {names:?}");
+    // Another timeline's later step in the folder, and a crashed save that got as far as its
+    // metadata: keep_last never removes the new checkpoint (nor that later step), `latest` names
+    // the new one, and the unfinished folder is never loaded.
+    let copy_dir = |from: &Path, to: &Path| {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap().flatten() {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    };
+    copy_dir(&dir.join("step-00000003"), &dir.join("step-00000200"));
+    copy_dir(&dir.join("step-00000003"), &dir.join("step-00000300.tmp"));
+    std::fs::write(dir.join("latest"), "step-00000003").unwrap();
+    assert_eq!(checkpoint::resolve(&dir).unwrap(), dir.join("step-00000003"), "latest, not a .tmp");
+    let d = dir.clone();
+    spawn(2, Backend::Local, move |pg| {
+        let dp = wrap(pg, S::Zero(Stage::Two), 5, Precision::Fp32)?;
+        checkpoint::save(&*dp, &opt(), &d, 4, json!({}), &SaveOptions { keep_last: Some(1), ..Default::default() })?;
+        Ok(())
+    })
+    .unwrap();
+    let steps: Vec<u64> = checkpoint::committed(&dir).into_iter().map(|(s, _)| s).collect();
+    assert_eq!(steps, vec![4, 200], "keep_last 1 removed step 3 only");
+    assert_eq!(checkpoint::resolve(&dir).unwrap(), dir.join("step-00000004"));
+    assert!(!dir.join("step-00000300.tmp").exists(), "the next save removes unfinished folders");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

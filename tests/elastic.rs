@@ -53,6 +53,9 @@ fn fail_at(spec: Option<&str>) {
 
 fn fresh(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("shardlab-elastic-{tag}-{}", std::process::id()));
+    if is_spawned_child() {
+        return d; // a worker runs its driver's job, with the driver's folders
+    }
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d

@@ -45,8 +45,6 @@ struct Args {
     /// block in K). Gradients are identical; memory falls, one more forward per recomputed block.
     #[arg(long, default_value = "none")]
     activation_checkpointing: Checkpointing,
-    /// ZeRO-3/FSDP: keep each gathered unit from its forward to its backward (one all-gather per
-    /// unit per step instead of two, no recompute; the full parameters stay alive meanwhile).
     /// Save a distributed checkpoint (every rank its own shards) into this folder: every
     /// --save-every steps and after the last step.
     #[arg(long)]
@@ -69,8 +67,11 @@ struct Args {
     /// gone), the same global batch, down to --min-world-size ranks.
     #[arg(long)]
     shrink_on_failure: bool,
+    /// Elastic with --shrink-on-failure: never fewer ranks than this.
     #[arg(long, default_value_t = 1)]
     min_world_size: usize,
+    /// ZeRO-3/FSDP: keep each gathered unit from its forward to its backward (one all-gather per
+    /// unit per step instead of two, no recompute; the full parameters stay alive meanwhile).
     #[arg(long)]
     no_reshard_after_forward: bool,
     /// Compute precision: fp32, bf16 (matrix multiplies in bfloat16, fp32 master weights, residual

@@ -126,9 +126,14 @@ pub fn step_dir_name(step: u64) -> String {
 /// Run `f` on this rank, then agree with every rank: if any rank failed, every rank returns an
 /// error (its own, or one saying which rank failed), so that no rank goes on alone.
 fn agree<T>(pg: &ProcessGroup, what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
-    let r = f();
+    // A panic (a malformed file reaching an indexing bug) is this rank's error, not a hang of the others.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|p| Err(anyhow::anyhow!("panicked: {}", panic_text(&p))));
     let mut flag = Tensor::from_slice(&[if r.is_err() { pg.rank() as f64 + 1.0 } else { 0.0 }]);
-    pg.all_reduce(&mut flag, ReduceOp::Max)?;
+    if let Err(e) = pg.all_reduce(&mut flag, ReduceOp::Max) {
+        let mine = r.err().map(|e| format!(" (and this rank failed: {e:#})")).unwrap_or_default();
+        bail!("rank {}: {what}: the ranks could not agree: {e}{mine}", pg.rank());
+    }
     let failed = flag.double_value(&[0]) as usize;
     match r {
         Err(e) => Err(e.context(format!("rank {}: {what}", pg.rank()))),
@@ -137,6 +142,21 @@ fn agree<T>(pg: &ProcessGroup, what: &str, f: impl FnOnce() -> anyhow::Result<T>
         }
         Ok(v) => Ok(v),
     }
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
+}
+
+/// Remove a checkpoint folder so that a crash midway never leaves something that looks committed:
+/// rename it out of the `step-N` namespace first, then delete.
+fn remove_checkpoint(path: &Path) -> anyhow::Result<()> {
+    let doomed = path.with_file_name(format!("{}.deleting", path.file_name().unwrap_or_default().to_string_lossy()));
+    std::fs::rename(path, &doomed).with_context(|| format!("renaming {} for removal", path.display()))?;
+    if let Some(parent) = path.parent() {
+        fsync_dir(parent)?;
+    }
+    std::fs::remove_dir_all(&doomed).with_context(|| format!("removing {}", doomed.display()))
 }
 
 fn fsync_dir(dir: &Path) -> anyhow::Result<()> {
@@ -150,11 +170,20 @@ fn write_synced(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     f.sync_all().with_context(|| format!("fsync {}", path.display()))
 }
 
-/// Committed checkpoints in `dir`, oldest first: folders `step-N` with a `metadata.json`.
+/// Committed checkpoints in `dir`, oldest first: folders `step-N` with a `metadata.json` (none if
+/// `dir` cannot be read; [`try_committed`] says why).
 pub fn committed(dir: &Path) -> Vec<(u64, PathBuf)> {
+    try_committed(dir).unwrap_or_default()
+}
+
+/// [`committed`], with an error when `dir` exists but cannot be read (an empty list when it
+/// does not exist).
+pub fn try_committed(dir: &Path) -> anyhow::Result<Vec<(u64, PathBuf)>> {
+    if !dir.exists() {
+        return Ok(Vec::new());
+    }
     let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
+        .with_context(|| format!("listing {}", dir.display()))?
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
@@ -163,7 +192,7 @@ pub fn committed(dir: &Path) -> Vec<(u64, PathBuf)> {
         })
         .collect();
     out.sort();
-    out
+    Ok(out)
 }
 
 /// Save `dp`'s parameters and `opt`'s state at `step` into `dir` (a collective: every rank calls
@@ -187,7 +216,8 @@ pub fn save(
         if rank == 0 {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             for e in std::fs::read_dir(dir)?.flatten() {
-                if e.file_name().to_string_lossy().ends_with(".tmp") && e.path().is_dir() {
+                let f = e.file_name().to_string_lossy().into_owned();
+                if (f.ends_with(".tmp") || f.ends_with(".deleting")) && e.path().is_dir() {
                     std::fs::remove_dir_all(e.path())?;
                 }
             }
@@ -298,22 +328,30 @@ pub fn save(
         write_synced(&tmp.join(METADATA), &serde_json::to_vec_pretty(&meta)?)?;
         fsync_dir(&tmp)?;
         if path.exists() {
-            std::fs::remove_dir_all(&path).with_context(|| format!("replacing {}", path.display()))?;
+            remove_checkpoint(&path)?;
         }
         std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
         fsync_dir(dir)?;
         let latest_tmp = dir.join(format!("{LATEST}.tmp"));
         write_synced(&latest_tmp, name.as_bytes())?;
         std::fs::rename(&latest_tmp, dir.join(LATEST))?;
-        fsync_dir(dir)?;
-        if let Some(k) = opts.keep_last {
-            let all = committed(dir);
-            for (_, old) in all.iter().take(all.len().saturating_sub(k.max(1))) {
-                std::fs::remove_dir_all(old).with_context(|| format!("removing {}", old.display()))?;
-            }
-        }
         Ok(())
     })?;
+    // Committed. What follows cannot undo that: a failure is a warning, not the save's error.
+    if rank == 0 {
+        if let Err(e) = fsync_dir(dir) {
+            eprintln!("warning: {name} is committed, but fsync of {} failed: {e:#}", dir.display());
+        }
+        if let Some(k) = opts.keep_last {
+            // Older steps only: never this one, never a later step of another timeline.
+            let older: Vec<PathBuf> = committed(dir).into_iter().filter(|(s, _)| *s < step).map(|(_, p)| p).collect();
+            for old in older.iter().take((older.len() + 1).saturating_sub(k.max(1))) {
+                if let Err(e) = remove_checkpoint(old) {
+                    eprintln!("warning: keep_last: {e:#}");
+                }
+            }
+        }
+    }
     Ok(Report { path, step, bytes: written, seconds: t0.elapsed().as_secs_f64(), extra })
 }
 
@@ -325,7 +363,10 @@ pub fn resolve(path: &Path) -> anyhow::Result<PathBuf> {
     }
     ensure!(path.is_dir(), "{} is not a folder (a checkpoint is a folder with a {METADATA})", path.display());
     if let Ok(name) = std::fs::read_to_string(path.join(LATEST)) {
-        let p = path.join(name.trim());
+        let name = name.trim();
+        let valid = name.strip_prefix("step-").is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
+        ensure!(valid, "{}: {name:?} is not a checkpoint name (step-N)", path.join(LATEST).display());
+        let p = path.join(name);
         if p.join(METADATA).is_file() {
             return Ok(p);
         }
@@ -350,7 +391,17 @@ pub fn read_metadata(dir: &Path) -> anyhow::Result<Metadata> {
         "{}: format version {version}; this shardlab reads version {FORMAT_VERSION}",
         p.display()
     );
-    serde_json::from_value(v).with_context(|| format!("{}: malformed metadata", p.display()))
+    let meta: Metadata = serde_json::from_value(v).with_context(|| format!("{}: malformed metadata", p.display()))?;
+    // File names are joined to the folder: only this format's own names (no path from a crafted file).
+    let rank_file = |f: &str| {
+        f.strip_prefix("rank-")
+            .and_then(|r| r.strip_suffix(".safetensors"))
+            .is_some_and(|r| r.len() == 5 && r.bytes().all(|b| b.is_ascii_digit()))
+    };
+    for f in meta.files.keys().chain(meta.tensors.values().flat_map(|t| t.pieces.iter().map(|p| &p.file))) {
+        ensure!(rank_file(f), "{}: {f:?} is not a rank file name (rank-NNNNN.safetensors)", p.display());
+    }
+    Ok(meta)
 }
 
 /// Load the checkpoint at `path` ([`resolve`]) into `dp`'s parameters and `opt`'s state, whatever
@@ -362,6 +413,17 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
     let pg = dp.group();
     let dir = agree(pg, "finding the checkpoint", || resolve(path))?;
     let meta = agree(pg, "reading the checkpoint's metadata", || read_metadata(&dir))?;
+    // Every rank resolved the folder on its own: make sure they all read the same checkpoint.
+    let mut s = Tensor::from_slice(&[meta.step as f64, -(meta.step as f64)]);
+    pg.all_reduce(&mut s, ReduceOp::Max)?;
+    ensure!(
+        s.double_value(&[0]) == -s.double_value(&[1]),
+        "rank {}: the ranks found different checkpoints in {} (steps up to {} and down to {}): is another job writing there?",
+        pg.rank(),
+        path.display(),
+        s.double_value(&[0]),
+        -s.double_value(&[1])
+    );
     let bytes = agree(pg, "reading its pieces", || {
         let named = dp.model().named_parameters();
         let shapes = dp.param_shapes();
@@ -389,13 +451,11 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
                 v.push(slot.master.zeros_like());
                 kinds.push(("exp_avg", m.last().unwrap().shallow_clone()));
                 kinds.push(("exp_avg_sq", v.last().unwrap().shallow_clone()));
-                let counts: Vec<u64> =
-                    slot.pieces.iter().filter_map(|(i, ..)| meta.optimizer_steps.get(&named[*i].0).copied()).collect();
-                ensure!(
-                    counts.windows(2).all(|w| w[0] == w[1]),
-                    "one slot holds parameters saved with different AdamW step counts {counts:?}"
-                );
-                steps.push(counts.first().copied().unwrap_or(0));
+                // One step count per slot. A parameter that never got a gradient has a lower count
+                // than the others of a ZeRO unit; its moments are zero, so the unit's count (the
+                // largest) only matters for their bias correction — as in FSDP's flat parameters.
+                let counts = slot.pieces.iter().filter_map(|(i, ..)| meta.optimizer_steps.get(&named[*i].0).copied());
+                steps.push(counts.max().unwrap_or(0));
             }
             for (kind, dst) in kinds {
                 let dst = dst.view([-1]);
@@ -414,6 +474,14 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
                             readers.insert(piece.file.clone(), files::Reader::open(&dir.join(&piece.file), f.bytes)?);
                         }
                         let reader = readers.get_mut(&piece.file).unwrap();
+                        ensure!(
+                            reader.numel(&piece.key) == Some(piece.hi - piece.lo),
+                            "{}: {} holds {:?} elements, the metadata says {}",
+                            piece.file,
+                            piece.key,
+                            reader.numel(&piece.key),
+                            piece.hi - piece.lo
+                        );
                         let whole = r.src == 0 && r.len == piece.hi - piece.lo;
                         let vals = if whole {
                             reader.read_checked(&piece.key, &piece.sha256)?
@@ -425,9 +493,8 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
                 }
             }
         }
-        if has_state {
-            opt.load_state(AdamWState { steps, m, v }).map_err(anyhow::Error::msg)?;
-        }
+        // No optimizer state saved (before the first step): start the optimizer afresh too.
+        opt.load_state(AdamWState { steps, m, v }).map_err(anyhow::Error::msg)?;
         Ok(readers.values().map(|r| r.bytes_read).sum::<u64>())
     })?;
     dp.masters_loaded()?;
@@ -464,6 +531,8 @@ pub fn consolidate(path: &Path, out: &Path, bf16: bool) -> anyhow::Result<Consol
     }
     let elem = if bf16 { 2u64 } else { 4 };
     let mut header = serde_json::Map::new();
+    // The safetensors metadata PyTorch and Hugging Face write (transformers requires the format).
+    header.insert("__metadata__".into(), serde_json::json!({"format": "pt", "step": meta.step.to_string()}));
     let mut offset = 0u64;
     let mut largest = 0i64;
     for (name, t) in &names {
@@ -481,7 +550,7 @@ pub fn consolidate(path: &Path, out: &Path, bf16: bool) -> anyhow::Result<Consol
     while head.len() % 8 != 0 {
         head.push(b' ');
     }
-    let tmp = out.with_extension("tmp");
+    let tmp = out.with_file_name(format!("{}.tmp", out.file_name().unwrap_or_default().to_string_lossy()));
     let file = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
     w.write_all(&(head.len() as u64).to_le_bytes())?;
