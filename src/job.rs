@@ -113,6 +113,15 @@ pub struct RunSummary {
     pub precision: crate::precision::Precision,
     #[serde(default)]
     pub skipped_steps: u64,
+    /// Distributed checkpoints (rank 0): seconds and bytes of its saves, and of the resume's load.
+    #[serde(default)]
+    pub checkpoint_save_s: f64,
+    #[serde(default)]
+    pub checkpoint_bytes_written: u64,
+    #[serde(default)]
+    pub resume_load_s: f64,
+    #[serde(default)]
+    pub resume_bytes_read: u64,
 }
 
 impl GptJob {
@@ -158,8 +167,10 @@ impl GptJob {
         let mut scaler =
             (ctx.scaling().precision == crate::precision::Precision::Fp16).then(crate::precision::GradScaler::default);
         let mut start = 0;
+        let (mut save_s, mut save_bytes, mut load_s, mut load_bytes) = (0.0, 0, 0.0, 0);
         if let Some(from) = &self.checkpoint.resume {
             let r = crate::checkpoint::load(&mut *dp, &mut opt, from)?;
+            (load_s, load_bytes) = (r.seconds, r.bytes);
             self.check_resumable(&r.extra, n)?;
             if let (Some(s), Some(saved)) = (scaler.as_mut(), r.extra.get("scaler").filter(|v| !v.is_null())) {
                 *s = serde_json::from_value(saved.clone())?;
@@ -233,8 +244,10 @@ impl GptJob {
                                        "precision": ctx.scaling().precision, "scaler": scaler, "loss": loss});
                     let opts =
                         crate::checkpoint::SaveOptions { keep_last: self.checkpoint.keep_last, ..Default::default() };
-                    crate::checkpoint::save(&*dp, &opt, dir, step + 1, extra, &opts)
+                    let r = crate::checkpoint::save(&*dp, &opt, dir, step + 1, extra, &opts)
                         .map_err(|e| anyhow::anyhow!("step {step}: saving the checkpoint: {e:#}"))?;
+                    save_s += r.seconds;
+                    save_bytes += r.bytes;
                 }
             }
         }
@@ -267,6 +280,10 @@ impl GptJob {
             ddp: st,
             bytes_sent_per_step: sent_per_step,
             peak_rss_bytes: crate::bench::peak_rss_bytes(),
+            checkpoint_save_s: save_s,
+            checkpoint_bytes_written: save_bytes,
+            resume_load_s: load_s,
+            resume_bytes_read: load_bytes,
             precision: ctx.scaling().precision,
             skipped_steps: scaler.map_or(0, |s| s.skipped),
         })

@@ -114,6 +114,15 @@ impl AdamW {
             v: self.v.iter().map(|t| t.copy()).collect(),
         }
     }
+    /// The state without copying it: step counts and handles to the moments (a checkpoint writes
+    /// from these; they change with the next step).
+    pub fn state_views(&self) -> AdamWState {
+        AdamWState {
+            steps: self.steps.clone(),
+            m: self.m.iter().map(|t| t.shallow_clone()).collect(),
+            v: self.v.iter().map(|t| t.shallow_clone()).collect(),
+        }
+    }
     /// Replace the state (it must come from an optimizer over the same slots; checked at the next step).
     pub fn load_state(&mut self, s: AdamWState) -> Result<(), String> {
         if s.m.len() != s.steps.len() || s.v.len() != s.steps.len() {

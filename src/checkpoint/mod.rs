@@ -229,7 +229,7 @@ pub fn save(
     let written = agree(pg, "writing its rank file", || {
         let names: Vec<String> = dp.model().named_parameters().into_iter().map(|(n, _)| n).collect();
         let shapes = dp.param_shapes();
-        let state: AdamWState = opt.state();
+        let state: AdamWState = opt.state_views(); // no copy: written from the moments themselves
         let has_state = !state.m.is_empty();
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         let mut pieces: Vec<(String, Vec<i64>, PieceMeta)> = Vec::new();
