@@ -190,7 +190,7 @@ where
     // The closing barrier stamps the ranks whose own operation completed before the failure.
     let e = spawn_with(opts, |pg| op(pg).and_then(|_| pg.barrier()).map_err(stamped))
         .expect_err("one rank fails, so the job must fail");
-    assert!(t.elapsed() < Duration::from_secs(30), "{backend:?} {path:?}: took {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(30), "{backend:?} {path:?}: took {:?}: {:?}", t.elapsed(), e.failures);
     e.failures
 }
 

@@ -231,7 +231,13 @@ fn shm_setup(rank: usize, world: usize, store: &mut StoreClient, cfg: &CommConfi
             let tag: String = tag.iter().map(|b| format!("{b:02x}")).collect();
             match shm::Segment::create(std::path::Path::new("/dev/shm"), &tag, rank, world, cfg.shm_exchange_bytes) {
                 Ok(s) => Some(Arc::new(s)),
-                Err(e) if want == DataPath::Shm => return Err(rdv(format!("SHARDLAB_TRANSPORT=shm, but {e}"))),
+                Err(e) if want == DataPath::Shm => {
+                    // Tell the peers (they wait for our offer), so every rank fails now with this
+                    // reason instead of waiting out the rendezvous timeout.
+                    let msg = format!("SHARDLAB_TRANSPORT=shm, but {e}");
+                    let _ = store.set(&format!("shm/{rank}"), format!("!{msg}").as_bytes());
+                    return Err(rdv(msg));
+                }
                 Err(e) => {
                     // Auto: still works over TCP, only slower — say why, once per rank.
                     eprintln!(
@@ -256,6 +262,9 @@ fn shm_setup(rank: usize, world: usize, store: &mut StoreClient, cfg: &CommConfi
             rdv(format!("rank {p} did not say how it moves data within {:?}", cfg.rendezvous_timeout))
         })?;
         let offer = String::from_utf8_lossy(&offer).into_owned();
+        if let Some(why) = offer.strip_prefix('!') {
+            return Err(rdv(format!("rank {p} cannot take part: {why}")));
+        }
         let (their_host, path) = offer.split_once('\n').unwrap_or(("", ""));
         if their_host != host {
             continue; // another machine (or no segment offered): TCP
