@@ -376,24 +376,9 @@ impl GptJob {
                 Ok(s) => return Ok((s, attempts)),
                 Err(e) => {
                     attempts.last_mut().expect("pushed").error = Some(format!("{e:#}"));
-                    if generation == elastic.max_restarts {
-                        anyhow::bail!(
-                            "gave up after {} restart(s) (--max-restarts); the last generation failed with: {e:#}",
-                            elastic.max_restarts
-                        );
-                    }
-                    if elastic.shrink_on_failure && world_size > elastic.min_world_size.max(1) {
-                        let global = batch_size * world_size;
-                        if global % (world_size - 1) == 0 {
-                            world_size -= 1;
-                            batch_size = global / world_size;
-                        } else {
-                            eprintln!(
-                                "elastic: staying at {world_size} ranks: the global batch of {global} rows does not \
-                                 split over {}",
-                                world_size - 1
-                            );
-                        }
+                    match elastic.after_failure(generation, world_size, batch_size) {
+                        Ok((w, b)) => (world_size, batch_size) = (w, b),
+                        Err(why) => anyhow::bail!("{why}; generation {generation} failed with: {e:#}"),
                     }
                 }
             }
@@ -424,6 +409,37 @@ pub struct Elastic {
     pub min_world_size: usize,
     /// After a failure, continue with one rank fewer (the failed rank's machine is gone).
     pub shrink_on_failure: bool,
+}
+
+impl Elastic {
+    /// After generation `generation` (0-based) failed at `world_size` ranks of `batch_size` rows:
+    /// the world size and rows per rank of the next generation, or why the run gives up. It gives
+    /// up once `max_restarts` restarts are spent. Without `shrink_on_failure` it restarts at the
+    /// same size; with it, at the largest world size below the failed one, and at least
+    /// `min_world_size` (and 1), over which the global batch splits evenly — the same global
+    /// batch, so the run goes on training the same thing.
+    pub fn after_failure(
+        &self,
+        generation: u32,
+        world_size: usize,
+        batch_size: usize,
+    ) -> Result<(usize, usize), String> {
+        if generation >= self.max_restarts {
+            return Err(format!("gave up after {} restart(s) (--max-restarts)", self.max_restarts));
+        }
+        if !self.shrink_on_failure {
+            return Ok((world_size, batch_size));
+        }
+        let global = world_size * batch_size;
+        let lowest = self.min_world_size.max(1);
+        (lowest..world_size).rev().find(|w| global % w == 0).map(|w| (w, global / w)).ok_or_else(|| {
+            format!(
+                "cannot go on with fewer than {world_size} ranks: the global batch of {global} rows splits over \
+                 none of {lowest}..{world_size} ranks (--min-world-size {})",
+                self.min_world_size
+            )
+        })
+    }
 }
 
 /// One generation of an elastic run.

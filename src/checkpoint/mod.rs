@@ -28,6 +28,7 @@
 
 pub mod files;
 pub mod plan;
+pub mod sim;
 
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::ddp::DataParallel;
@@ -365,10 +366,15 @@ pub fn resolve(path: &Path) -> anyhow::Result<PathBuf> {
     if let Ok(name) = std::fs::read_to_string(path.join(LATEST)) {
         let name = name.trim();
         let valid = name.strip_prefix("step-").is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
-        ensure!(valid, "{}: {name:?} is not a checkpoint name (step-N)", path.join(LATEST).display());
-        let p = path.join(name);
-        if p.join(METADATA).is_file() {
-            return Ok(p);
+        if !valid {
+            // Never written by `save` (it replaces `latest` atomically): say so, and use the newest
+            // committed checkpoint instead.
+            eprintln!(
+                "shardlab: {}: {name:?} is not a checkpoint name (step-N); ignoring it",
+                path.join(LATEST).display()
+            );
+        } else if path.join(name).join(METADATA).is_file() {
+            return Ok(path.join(name));
         }
     }
     match committed(path).pop() {
