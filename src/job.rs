@@ -325,7 +325,8 @@ impl GptJob {
     /// fails, the launcher stops the others (their collectives fail), and the job starts again —
     /// a new generation: new processes, a new rendezvous (port and secret), so no rank of the old
     /// generation can join — from the latest committed checkpoint in `checkpoint.dir`. With
-    /// `shrink_on_failure` the new generation has one rank fewer (down to `min_world_size`), the
+    /// `shrink_on_failure` the new generation has fewer ranks (the largest count, down to
+    /// `min_world_size`, that the global batch splits over: [`Elastic::after_failure`]), the
     /// same global batch, and resharding happens on load. Gives up after `max_restarts`.
     pub fn fit_elastic(
         &self,
@@ -407,7 +408,8 @@ pub struct Elastic {
     pub max_restarts: u32,
     /// Never go below this many ranks when shrinking.
     pub min_world_size: usize,
-    /// After a failure, continue with one rank fewer (the failed rank's machine is gone).
+    /// After a failure, continue with fewer ranks (the failed rank's machine is gone): the largest
+    /// count below the failed one that the global batch splits over.
     pub shrink_on_failure: bool,
 }
 

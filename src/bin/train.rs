@@ -63,8 +63,9 @@ struct Args {
     /// this many times (torchrun's --max-restarts; needs --checkpoint-dir and --save-every).
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
-    /// Elastic: after a failure, go on with one rank fewer (as if the failed rank's machine were
-    /// gone), the same global batch, down to --min-world-size ranks.
+    /// Elastic: after a failure, go on with fewer ranks (as if the failed rank's machine were
+    /// gone): the most the global batch splits over, the same global batch, down to
+    /// --min-world-size ranks.
     #[arg(long)]
     shrink_on_failure: bool,
     /// Elastic with --shrink-on-failure: never fewer ranks than this.

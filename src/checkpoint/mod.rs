@@ -430,6 +430,10 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
         s.double_value(&[0]),
         -s.double_value(&[1])
     );
+    // Replicated strategies: each rank reads 1/N of every slot and the ranks all-gather the rest
+    // (after every rank has read its part without error: no collective inside `agree`).
+    let (rank, n) = (pg.rank(), pg.world_size());
+    let mut gathers: Vec<Tensor> = Vec::new();
     let bytes = agree(pg, "reading its pieces", || {
         let named = dp.model().named_parameters();
         let shapes = dp.param_shapes();
@@ -463,9 +467,25 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
                 let counts = slot.pieces.iter().filter_map(|(i, ..)| meta.optimizer_steps.get(&named[*i].0).copied());
                 steps.push(counts.max().unwrap_or(0));
             }
+            let own = if slot.replicated && n > 1 {
+                let numel = slot.master.numel() as i64;
+                plan::owned_range(numel, rank, n)
+            } else {
+                0..slot.master.numel() as i64
+            };
             for (kind, dst) in kinds {
                 let dst = dst.view([-1]);
+                if slot.replicated && n > 1 {
+                    gathers.push(dst.shallow_clone());
+                }
                 for (i, within, at) in &slot.pieces {
+                    // The part of this piece inside the range this rank reads.
+                    let (lo, hi) = (at.start.max(own.start), at.end.min(own.end));
+                    if lo >= hi {
+                        continue;
+                    }
+                    let within = within.start + (lo - at.start)..within.start + (hi - at.start);
+                    let at = lo..hi;
                     let t = format!("{kind}/{}", named[*i].0);
                     let tm = meta.tensors.get(&t).with_context(|| format!("{t} is not in the checkpoint"))?;
                     let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
@@ -503,6 +523,31 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
         opt.load_state(AdamWState { steps, m, v }).map_err(anyhow::Error::msg)?;
         Ok(readers.values().map(|r| r.bytes_read).sum::<u64>())
     })?;
+    // Every rank found its own metadata: make sure they gather the same tensors (else a hang).
+    let total: i64 = gathers.iter().map(|t| t.numel() as i64).sum();
+    let mut c = Tensor::from_slice(&[gathers.len() as f64, total as f64, -(gathers.len() as f64), -(total as f64)]);
+    pg.all_reduce(&mut c, ReduceOp::Max)?;
+    ensure!(
+        c.double_value(&[0]) == -c.double_value(&[2]) && c.double_value(&[1]) == -c.double_value(&[3]),
+        "rank {rank}: the ranks planned different all-gathers for {} (one found optimizer state, another did not?)",
+        dir.display()
+    );
+    // The all-gathers, one per tensor, in slot order on every rank (batching them into 64 MiB
+    // buckets measured slower on 2 cores). Parts are padded to one length.
+    for dst in &gathers {
+        let numel = dst.numel() as i64;
+        let chunk = (numel + n as i64 - 1) / n as i64;
+        let own = plan::owned_range(numel, rank, n);
+        let input = Tensor::zeros([chunk], (dst.kind(), dst.device()));
+        tch::no_grad(|| input.narrow(0, 0, own.end - own.start).copy_(&dst.narrow(0, own.start, own.end - own.start)));
+        let mut out = Tensor::zeros([chunk * n as i64], (dst.kind(), dst.device()));
+        pg.all_gather(&mut out, &input)?;
+        for q in 0..n {
+            let r = plan::owned_range(numel, q, n);
+            let part = out.narrow(0, q as i64 * chunk, r.end - r.start);
+            tch::no_grad(|| dst.narrow(0, r.start, r.end - r.start).copy_(&part));
+        }
+    }
     dp.masters_loaded()?;
     Ok(Report { path: dir, step: meta.step, bytes, seconds: t0.elapsed().as_secs_f64(), extra: meta.extra })
 }

@@ -13,12 +13,9 @@
 //! happening: the power goes, everything not durable is lost, and every call fails with
 //! [`SimError::PowerLoss`] until [`SimDisk::reboot`].
 //!
-//! ```
-//! use shardlab::checkpoint::sim::SimDisk;
-//! let mut d = SimDisk::new();
-//! d.write("a", b"hello").unwrap();
-//! d.power_loss(); // never synced, never linked durably: gone
-//! assert_eq!(d.read("a"), None);
+//! ```text
+//! d.write("a", b"hello")    // in the page cache; the root's entry for "a" is not durable either
+//! d.power_loss()            // "a" is gone: never synced, never linked durably
 //! ```
 
 use std::collections::BTreeMap;
@@ -99,7 +96,8 @@ impl SimDisk {
         self.ops
     }
 
-    /// What was done, one line per operation (`"3 sync step-00000002.tmp"`), for error messages.
+    /// What was done, one line per operation (`"3 sync step-00000002.tmp"`) and per power loss
+    /// (`"7 POWER LOSS"`), for error messages.
     pub fn log(&self) -> &[String] {
         &self.log
     }

@@ -1,0 +1,70 @@
+//! Lesson 10 — distributed checkpoints and elastic restart: your exercises.
+//! Replace each `todo!()`; check your work with `cargo grade 10`. Hints are in this lesson's README.
+#![allow(unused_variables, unused_imports, unused_mut)]
+
+use shardlab::checkpoint::plan::Read;
+use shardlab::checkpoint::sim::{SimDisk, SimError};
+use shardlab::job::Elastic;
+use std::ops::Range;
+
+/// Exercise 1 — the resharding planner. One tensor was saved as pieces `saved[k]` (flat element
+/// ranges, any order, each in some rank's file); a loading rank wants the elements `want`. Return
+/// the reads, sorted by where they land: `Read { piece: k, src, dst, len }` copies `len` elements
+/// starting `src` elements into piece `k` to `dst` elements into the wanted range. An element of
+/// `want` in no piece is an error naming the gap (`"elements 4..5 are in no saved piece"`); an
+/// element in two pieces is an error saying "two saved pieces".
+pub fn plan_reads(saved: &[Range<i64>], want: Range<i64>) -> Result<Vec<Read>, String> {
+    // TODO: intersect `want` with every saved piece (skip empty intersections), sort the hits by
+    // their start, then walk them: each must begin exactly where the previous one ended — a hit that
+    // starts later leaves a gap, one that starts earlier is an overlap (README, "Resharding is interval arithmetic").
+    todo!()
+}
+
+/// Exercise 2 — the atomic commit. Write checkpoint `step` to `disk`: the folder
+/// `step-NNNNNNNN` (the step in 8 digits) holding `files` (name, bytes), then make the file
+/// `latest` hold that folder's name. Whenever the power goes (at any operation of this
+/// function), `latest` must afterwards name a complete checkpoint — the previous one or this one
+/// — and any `step-NNNNNNNN` folder holding `metadata.json` must be complete; once this returns
+/// `Ok`, the new checkpoint and `latest` survive a power loss. What an earlier crash left must
+/// not stop it: a `step-NNNNNNNN.tmp` folder, or a `step-NNNNNNNN` folder of this step that
+/// `latest` does not name. Return the disk's error when an operation fails.
+pub fn commit_checkpoint(disk: &mut SimDisk, step: u64, files: &[(&str, &[u8])]) -> Result<(), SimError> {
+    // TODO: write into step-NNNNNNNN.tmp (removing a crashed attempt's leftovers first), sync every
+    // file and then the folder, rename it to step-NNNNNNNN (a leftover folder of that name is in the
+    // way: remove it first) and sync the root; then replace `latest` the
+    // same way: a new file, synced, renamed over the old one, root synced (README, "The atomic commit").
+    todo!()
+}
+
+/// Exercise 3 — where to resume. The step of the checkpoint a restarted run loads from `disk`:
+/// the one `latest` names, if it names a folder `step-NNNNNNNN` (exactly 8 digits) that holds
+/// `metadata.json`; otherwise (no `latest`, a damaged one, one naming an unfinished folder) the
+/// highest step among the `step-NNNNNNNN` folders that hold `metadata.json`. `None` if there is
+/// no complete checkpoint. `.tmp` folders are never checkpoints.
+pub fn resume_step(disk: &SimDisk) -> Option<u64> {
+    // TODO: read `latest` (trim it); if it names a step-NNNNNNNN folder with a metadata.json, that is
+    // the step. Otherwise list the root and keep the highest step-NNNNNNNN (8 digits, no .tmp) that
+    // holds a metadata.json (README, "Where a restart resumes").
+    todo!()
+}
+
+/// Exercise 4 — the elastic supervisor's decision. Generation `generation` (0 for the first
+/// attempt) failed, running `world_size` ranks of `batch_size` rows each. Return the next
+/// generation's `(world_size, batch_size)`, or `Err` (saying "gave up after R restart(s)", R =
+/// `policy.max_restarts`) once
+/// `policy.max_restarts` restarts are spent. Without `policy.shrink_on_failure` the next
+/// generation has the same shape. With it, it runs the largest world size below `world_size`
+/// that is at least `policy.min_world_size` (and at least 1) and over which the global batch
+/// (`world_size × batch_size` rows) splits evenly, with the same global batch; `Err` (saying
+/// "cannot go on") if there is none.
+pub fn after_failure(
+    policy: &Elastic,
+    generation: u32,
+    world_size: usize,
+    batch_size: usize,
+) -> Result<(usize, usize), String> {
+    // TODO: first the restart budget (generation counts from 0), then — only when shrinking — the
+    // largest world size in max(min_world_size, 1)..world_size that divides the global batch
+    // (README, "Elastic restart").
+    todo!()
+}
