@@ -238,6 +238,37 @@ shardlab::graders! {
                 "step-00000002 must hold exactly the checkpoint's files (a leftover {leftover}/ was reused, not removed?)"
             );
         }
+        // Files listed with metadata.json first: it must still be the last one made durable (a
+        // folder with its metadata.json is taken for complete).
+        let mut first = files(2);
+        first.rotate_right(1);
+        assert_eq!(first[0].0, "metadata.json");
+        let mut k = 0;
+        loop {
+            let mut d = disk_with_step_1();
+            let start = d.ops();
+            d.crash_at(start + k);
+            let r = commit_checkpoint(&mut d, 2, &as_refs(&first));
+            if !d.is_down() {
+                assert_eq!(r, Ok(()));
+                break;
+            }
+            d.reboot();
+            for folder in ["step-00000002.tmp", "step-00000002"] {
+                if d.exists(&format!("{folder}/metadata.json")) {
+                    if let Err(e) = complete(&d, folder, 2) {
+                        panic!(
+                            "files listed with metadata.json first, power lost at operation {}: {folder} has its \
+                             metadata.json, but {e} — write metadata.json last\n    {}",
+                            start + k,
+                            log_tail(&d)
+                        );
+                    }
+                }
+            }
+            k += 1;
+            assert!(k < 1000, "more than 1000 operations for one commit");
+        }
         // Committing does not remove the previous checkpoint (checked above) and works twice in a row.
         let mut d = disk_with_step_1();
         commit_checkpoint(&mut d, 2, &as_refs(&new)).unwrap();

@@ -226,6 +226,9 @@ impl SimDisk {
         let (fd, fname) = self.parent(from)?;
         let (td, tname) = self.parent(to)?;
         let ino = *self.entries(fd).get(fname).ok_or_else(|| SimError::NotFound(from.into()))?;
+        if to.strip_prefix(from).is_some_and(|rest| rest.starts_with('/')) {
+            return Err(SimError::NotFound(format!("{to} (inside {from}, which is being moved)")));
+        }
         if let Some(&old) = self.entries(td).get(tname) {
             let replaceable = match (&self.nodes[ino], &self.nodes[old]) {
                 (Node::File { .. }, Node::File { .. }) => true,
@@ -233,7 +236,12 @@ impl SimDisk {
                 _ => false,
             };
             if !replaceable {
-                return Err(SimError::Exists(to.into()));
+                return Err(match (&self.nodes[ino], &self.nodes[old]) {
+                    (Node::File { .. }, Node::Dir { .. }) | (Node::Dir { .. }, Node::File { .. }) => {
+                        SimError::NotADirectory(to.into())
+                    }
+                    _ => SimError::Exists(to.into()),
+                });
             }
         }
         self.entries(fd).remove(fname);
@@ -241,12 +249,18 @@ impl SimDisk {
         Ok(())
     }
 
-    /// Remove `path` and everything under it (`rm -rf`); a missing `path` is not an error.
+    /// Remove `path` and everything under it (`rm -rf`); a missing `path` is not an error. One
+    /// operation: the entry goes from its directory (durable once that directory is synced).
     pub fn remove_all(&mut self, path: &str) -> Result<(), SimError> {
         self.op(format!("remove_all {path}"))?;
-        let (dir, name) = self.parent(path)?;
-        self.entries(dir).remove(name);
-        Ok(())
+        match self.parent(path) {
+            Ok((dir, name)) => {
+                self.entries(dir).remove(name);
+                Ok(())
+            }
+            Err(SimError::NotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Whether `path` exists (not an operation: free, and works while the power is off).
