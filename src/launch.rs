@@ -113,6 +113,23 @@ pub fn is_spawned_child() -> bool {
     std::env::var_os(ENV_CHILD).is_some()
 }
 
+/// Set by the `launch` bin in the rank processes it starts; set it yourself (to anything) in ranks
+/// that `srun` starts directly. torchrun's ranks are recognised by its TORCHELASTIC_RUN_ID.
+pub const ENV_LAUNCHER: &str = "SHARDLAB_LAUNCHER";
+
+/// Whether this process is one rank of a job that another launcher started (the `launch` bin,
+/// torchrun, srun with `SHARDLAB_LAUNCHER` set): then [`spawn`] starts no processes, it joins the
+/// group the environment describes and runs only this process's rank.
+pub fn external_launch() -> bool {
+    !is_spawned_child()
+        && (std::env::var_os(ENV_LAUNCHER).is_some() || std::env::var_os("TORCHELASTIC_RUN_ID").is_some())
+}
+
+/// This process's global rank when [`external_launch`] (from RANK, or SLURM_PROCID).
+pub fn external_rank() -> Option<usize> {
+    external_launch().then(|| TcpInit::from_env().ok().map(|i| i.rank)).flatten()
+}
+
 /// In a worker process started by the `k`-th process spawn of its driver, make the next spawn
 /// call of this process count as the `k`-th, so that it runs its rank there. For drivers that
 /// spawn again after a failure (an elastic restart): the worker of a later generation reaches
@@ -199,6 +216,9 @@ where
     let call = SPAWN_CALLS.fetch_add(1, Ordering::SeqCst);
     if let Ok(target) = std::env::var(ENV_CHILD) {
         return run_child(call, &target, &opts, f);
+    }
+    if external_launch() {
+        return run_external(call, &opts, f);
     }
     if opts.world_size == 0 {
         return Err(LaunchError::one("world_size must be at least 1"));
@@ -374,6 +394,40 @@ where
     let failed = matches!(outcome, ChildOutcome::Err(_));
     write(serde_json::to_string(&outcome).unwrap_or_else(|e| format!("{{\"Err\":\"cannot serialise result: {e}\"}}")));
     std::process::exit(if failed { 1 } else { 0 });
+}
+
+/// One rank of a job started by another launcher ([`external_launch`]): join the group the
+/// environment describes and run `f` for this rank only. The result holds this rank's value alone.
+fn run_external<R, F>(call: usize, opts: &SpawnOptions, f: F) -> Result<Vec<R>, LaunchError>
+where
+    F: Fn(&ProcessGroup) -> anyhow::Result<R>,
+{
+    let init = TcpInit::from_env().map_err(|e| LaunchError::one(e.to_string()))?;
+    let me = init.rank;
+    let err = |m: String| LaunchError { failures: vec![(me, m)] };
+    if call > 0 {
+        return Err(err(format!(
+            "this process was started by a launcher ({ENV_LAUNCHER} or torchrun) as one rank of one job, \
+             but it is starting a second job (spawn call #{call}): run one job per launch"
+        )));
+    }
+    if opts.backend != Backend::Tcp {
+        return Err(err(format!(
+            "started by a launcher, the ranks are processes: use the tcp backend (this job asks for {:?})",
+            opts.backend
+        )));
+    }
+    if init.world_size != opts.world_size {
+        return Err(err(format!(
+            "the launcher started WORLD_SIZE={} ranks, but this job asks for {}",
+            init.world_size, opts.world_size
+        )));
+    }
+    set_threads(opts, init.local_world_size);
+    let pg = ProcessGroup::init_tcp(&init, opts.config.clone()).map_err(|e| err(e.to_string()))?;
+    let r = run_rank(&pg, &f);
+    drop(pg);
+    r.map(|v| vec![v]).map_err(err)
 }
 
 fn run_processes<R: DeserializeOwned>(call: usize, opts: &SpawnOptions) -> Result<Vec<R>, LaunchError> {

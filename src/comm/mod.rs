@@ -84,7 +84,7 @@ pub use dtype::{DType, ReduceOp};
 pub use error::{CommError, CommResult};
 pub use frame::OpKind;
 pub use group::ProcessGroup;
-pub use rendezvous::TcpInit;
+pub use rendezvous::{first_host, TcpInit};
 pub use work::{Work, WorkTiming};
 
 use std::sync::Mutex;

@@ -38,30 +38,72 @@ impl TcpInit {
         }
     }
 
-    /// Read RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE.
+    /// Read RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE — as torchrun
+    /// or the `launch` bin set them. Under Slurm (`srun`, one task per rank) the missing ones come
+    /// from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE, and MASTER_ADDR from
+    /// the first host of SLURM_JOB_NODELIST (or SLURM_NODELIST).
     pub fn from_env() -> CommResult<Self> {
-        fn var<T: std::str::FromStr>(name: &str, default: Option<T>) -> CommResult<T> {
-            match std::env::var(name) {
-                Ok(v) => v
+        fn var<T: std::str::FromStr>(names: &[&str], default: Option<T>) -> CommResult<T> {
+            match names.iter().find_map(|n| std::env::var(n).ok().map(|v| (n, v))) {
+                Some((name, v)) => v
                     .trim()
                     .parse()
                     .map_err(|_| CommError::InvalidArgument(format!("{name}={v:?} is not a valid number"))),
-                Err(_) => default.ok_or_else(|| {
-                    CommError::InvalidArgument(format!("{name} is not set (expected as torchrun sets it)"))
+                None => default.ok_or_else(|| {
+                    CommError::InvalidArgument(format!(
+                        "{} is not set (expected as torchrun, the launch bin or srun sets it)",
+                        names.join(" or ")
+                    ))
                 }),
             }
         }
-        let rank = var("RANK", None)?;
-        let world_size = var("WORLD_SIZE", None)?;
+        let rank = var(&["RANK", "SLURM_PROCID"], None)?;
+        let world_size = var(&["WORLD_SIZE", "SLURM_NTASKS"], None)?;
+        let master_addr = match std::env::var("MASTER_ADDR") {
+            Ok(a) => a,
+            Err(_) => ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+                .iter()
+                .find_map(|n| std::env::var(n).ok())
+                .and_then(|l| first_host(&l))
+                .unwrap_or_else(|| "127.0.0.1".into()),
+        };
         Ok(TcpInit {
             rank,
             world_size,
-            master_addr: std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into()),
-            master_port: var("MASTER_PORT", Some(29500))?,
-            local_rank: var("LOCAL_RANK", Some(rank))?,
-            local_world_size: var("LOCAL_WORLD_SIZE", Some(world_size))?,
+            master_addr,
+            master_port: var(&["MASTER_PORT"], Some(29500))?,
+            local_rank: var(&["LOCAL_RANK", "SLURM_LOCALID"], Some(rank))?,
+            local_world_size: var(&["LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"], Some(world_size))?,
         })
     }
+}
+
+/// The first host of a Slurm node list: `gpu[07-09,12],cpu1` → `gpu07`, `a[1-2]-ib` → `a1-ib`,
+/// `n1,n2` → `n1` (what `scontrol show hostnames | head -1` prints). `None` for an empty list.
+pub fn first_host(nodelist: &str) -> Option<String> {
+    // The first entry: up to a comma outside brackets.
+    let mut depth = 0;
+    let end = nodelist
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                _ => {}
+            }
+            c == ',' && depth == 0
+        })
+        .map_or(nodelist.len(), |(i, _)| i);
+    // Each bracket group contributes its first value: `rack[2-3]n[01-04]` → `rack2n01`.
+    let mut host = nodelist[..end].trim().to_string();
+    while let (Some(a), Some(b)) = (host.find('['), host.find(']')) {
+        if b < a {
+            break;
+        }
+        let first = host[a + 1..b].split(',').next().unwrap_or("").split('-').next().unwrap_or("").to_string();
+        host = format!("{}{}{}", &host[..a], first, &host[b + 1..]);
+    }
+    (!host.is_empty()).then_some(host)
 }
 
 impl ProcessGroup {

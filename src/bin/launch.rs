@@ -1,0 +1,185 @@
+//! `launch` — start the ranks of a job on this machine, one node of a multi-node job: torchrun's
+//! `--nnodes --node-rank --nproc-per-node --master-addr --master-port`, for shardlab programs
+//! (lesson 11).
+//!
+//!   cargo run --release --bin launch -- --nproc-per-node 4 -- train --strategy zero3 --world-size 4
+//!
+//! Two machines (run one launcher on each; the same secret everywhere):
+//!
+//!   export SHARDLAB_SECRET=$(openssl rand -hex 32)                     # once, copied to both
+//!   launch --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 -- train --world-size 16 …
+//!   launch --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr 10.0.0.1 -- train --world-size 16 …
+//!
+//! Under Slurm (`srun --ntasks-per-node=1 launch --nproc-per-node 8 -- train …`) the node count,
+//! node rank and master address default to SLURM_NNODES, SLURM_NODEID and the first host of
+//! SLURM_JOB_NODELIST. (Or let srun start every rank itself, `--ntasks-per-node=8`, with
+//! `SHARDLAB_LAUNCHER=srun` exported: the ranks read SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID.)
+//!
+//! Each rank process gets RANK (node_rank × nproc_per_node + local rank), WORLD_SIZE, LOCAL_RANK,
+//! LOCAL_WORLD_SIZE, GROUP_RANK (the node rank), MASTER_ADDR, MASTER_PORT, SHARDLAB_LAUNCHER and
+//! SHARDLAB_JOB_ID; the program's `spawn` then joins that group instead of starting processes.
+//! When a rank fails, the others get `--grace-s` seconds to fail on their own (their collectives
+//! do), then are killed; the launcher exits with the first failure's code.
+
+use clap::Parser;
+use shardlab::comm::auth::{Secret, SECRET_ENV};
+use shardlab::comm::first_host;
+use shardlab::launch::ENV_LAUNCHER;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::{Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+#[derive(Parser, Debug)]
+#[command(about = "Start this node's ranks of a (multi-node) job, like torchrun")]
+struct Args {
+    /// Machines in the job [default: SLURM_NNODES, else 1].
+    #[arg(long)]
+    nnodes: Option<usize>,
+    /// This machine's index, 0..nnodes [default: SLURM_NODEID, else 0].
+    #[arg(long)]
+    node_rank: Option<usize>,
+    /// Ranks on this machine (one per GPU on GPU machines).
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: usize,
+    /// The address of node 0, where global rank 0 hosts the store [default: the first host of
+    /// SLURM_JOB_NODELIST, else 127.0.0.1].
+    #[arg(long)]
+    master_addr: Option<String>,
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// Seconds the other ranks get to fail on their own after one failed, before they are killed.
+    #[arg(long, default_value_t = 30.0)]
+    grace_s: f64,
+    /// The program (a path, or the name of a bin next to this one) and its arguments.
+    #[arg(required = true, last = true)]
+    command: Vec<String>,
+}
+
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+}
+
+/// `train` → the `train` next to this executable, if there is one; else the name as given.
+fn program(name: &str) -> PathBuf {
+    let p = PathBuf::from(name);
+    if p.components().count() == 1 {
+        if let Some(sibling) = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join(name))) {
+            if sibling.is_file() {
+                return sibling;
+            }
+        }
+    }
+    p
+}
+
+fn describe(s: &ExitStatus) -> String {
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(9)) => "killed (SIGKILL)".into(),
+        (None, Some(sig)) => format!("signal {sig}"),
+        _ => format!("{s}"),
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    let nnodes = a.nnodes.or_else(|| env_usize("SLURM_NNODES")).unwrap_or(1);
+    let node_rank = a.node_rank.or_else(|| env_usize("SLURM_NODEID")).unwrap_or(0);
+    let master_addr = a
+        .master_addr
+        .clone()
+        .or_else(|| {
+            ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+                .iter()
+                .find_map(|n| std::env::var(n).ok())
+                .and_then(|l| first_host(&l))
+        })
+        .unwrap_or_else(|| "127.0.0.1".into());
+    anyhow::ensure!(nnodes >= 1 && a.nproc_per_node >= 1, "--nnodes and --nproc-per-node must be at least 1");
+    anyhow::ensure!(node_rank < nnodes, "--node-rank {node_rank} is out of range for --nnodes {nnodes}");
+    let world = nnodes * a.nproc_per_node;
+    // The job's secret: generated here for a one-machine job; several machines must share one.
+    let secret = match std::env::var(SECRET_ENV) {
+        Ok(s) => s,
+        Err(_) if nnodes == 1 => Secret::generate()?.to_hex(),
+        Err(_) => anyhow::bail!(
+            "{SECRET_ENV} is not set: a job on {nnodes} machines needs one secret shared by all of them. \
+             Generate it once (`openssl rand -hex 32`) and export the same value on every machine"
+        ),
+    };
+    let job_id = std::env::var("SHARDLAB_JOB_ID").unwrap_or_else(|_| format!("launch-{master_addr}-{}", a.master_port));
+    let loopback =
+        master_addr.parse::<std::net::IpAddr>().map(|ip| ip.is_loopback()).unwrap_or(master_addr == "localhost");
+    let exe = program(&a.command[0]);
+    let mut children = Vec::new();
+    for local in 0..a.nproc_per_node {
+        let rank = node_rank * a.nproc_per_node + local;
+        let mut cmd = Command::new(&exe);
+        cmd.args(&a.command[1..])
+            .env_remove("SHARDLAB_SPAWN_CHILD")
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
+            .env("GROUP_RANK", node_rank.to_string())
+            .env("MASTER_ADDR", &master_addr)
+            .env("MASTER_PORT", a.master_port.to_string())
+            .env(ENV_LAUNCHER, "launch")
+            .env("SHARDLAB_JOB_ID", &job_id)
+            .env(SECRET_ENV, &secret)
+            .stdin(std::process::Stdio::null());
+        if rank == 0 && !loopback && std::env::var_os("SHARDLAB_STORE_BIND").is_none() {
+            // Other machines must reach rank 0's store.
+            cmd.env("SHARDLAB_STORE_BIND", "0.0.0.0");
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push((rank, c)),
+            Err(e) => {
+                for (_, mut c) in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                anyhow::bail!("cannot start rank {rank} ({}): {e}", exe.display());
+            }
+        }
+    }
+    // Wait for every rank; after the first failure, the others get the grace period.
+    let mut status: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    let mut first_failure: Option<(Instant, usize)> = None;
+    while status.iter().any(|s| s.is_none()) {
+        for (k, (rank, c)) in children.iter_mut().enumerate() {
+            if status[k].is_none() {
+                if let Ok(Some(s)) = c.try_wait() {
+                    if !s.success() && first_failure.is_none() {
+                        eprintln!(
+                            "launch: rank {rank} failed ({}); the others have {:.0} s to stop",
+                            describe(&s),
+                            a.grace_s
+                        );
+                        first_failure = Some((Instant::now(), k));
+                    }
+                    status[k] = Some(s);
+                }
+            }
+        }
+        if let Some((t, _)) = first_failure {
+            if t.elapsed() > Duration::from_secs_f64(a.grace_s) {
+                for (k, (rank, c)) in children.iter_mut().enumerate() {
+                    if status[k].is_none() {
+                        eprintln!("launch: killing rank {rank} (still running {:.0} s after the failure)", a.grace_s);
+                        let _ = c.kill();
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    match first_failure {
+        None => Ok(()),
+        Some((_, k)) => {
+            let s = status[k].expect("waited");
+            std::process::exit(s.code().unwrap_or(128 + s.signal().unwrap_or(1)));
+        }
+    }
+}

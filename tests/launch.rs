@@ -1,0 +1,111 @@
+//! Multi-node launch (lesson 11): two `launch` processes, as two "nodes" of two ranks each on this
+//! machine over loopback, train to bitwise the parameters of one 4-rank job that `train` starts
+//! itself (the same ranks, the same ring, the same order of additions); a rank killed under a
+//! launcher brings both launchers down promptly with an error; a job on several nodes without a
+//! shared secret is refused; Slurm's node lists give the master address.
+
+use shardlab::comm::first_host;
+use shardlab::prelude::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const TRAIN: &str = env!("CARGO_BIN_EXE_train");
+const LAUNCH: &str = env!("CARGO_BIN_EXE_launch");
+
+fn train_args(save: &Path) -> Vec<String> {
+    let a = "--strategy zero3 --steps 3 --n-layer 2 --n-embd 32 --n-head 2 --block-size 16 --vocab-size 64 \
+             --batch-size 2 --synthetic-tokens 4000 --json";
+    let mut v: Vec<String> = a.split_whitespace().map(String::from).collect();
+    v.extend(["--save".into(), save.display().to_string()]);
+    v
+}
+
+/// The job's ranks are this test's grandchildren: none of this process's spawn variables.
+fn clean(c: &mut Command) -> &mut Command {
+    for v in ["SHARDLAB_SPAWN_CHILD", "SHARDLAB_LAUNCHER", "RANK", "WORLD_SIZE", "LOCAL_RANK", "SHARDLAB_FAIL_AT"] {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn node(rank: usize, port: u16, save: &Path, extra_env: &[(&str, &str)]) -> std::process::Child {
+    let mut c = Command::new(LAUNCH);
+    clean(&mut c)
+        .args(["--nnodes", "2", "--node-rank", &rank.to_string(), "--nproc-per-node", "2"])
+        .args(["--master-addr", "127.0.0.1", "--master-port", &port.to_string(), "--grace-s", "10", "--", TRAIN])
+        .args(train_args(save))
+        .env("SHARDLAB_SECRET", "ab".repeat(32))
+        .envs(extra_env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    c.spawn().expect("start launch")
+}
+
+fn weights(p: &Path) -> Vec<f32> {
+    let mut t = Tensor::read_safetensors(p).unwrap();
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    let all: Vec<Tensor> = t.iter().map(|(_, t)| t.reshape([-1])).collect();
+    Vec::<f32>::try_from(&Tensor::cat(&all, 0)).unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn two_launchers_of_two_ranks_train_as_one_four_rank_job() {
+    let dir = std::env::temp_dir().join(format!("shardlab-launch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // The reference: train starts its 4 rank processes itself.
+    let one: PathBuf = dir.join("one.safetensors");
+    let o = clean(&mut Command::new(TRAIN)).args(train_args(&one)).args(["--world-size", "4"]).output().unwrap();
+    assert!(o.status.success(), "train --world-size 4 failed:\n{}", text(&o));
+
+    // Two nodes of two ranks.
+    let two = dir.join("two.safetensors");
+    let port = shardlab::launch::free_port().unwrap();
+    let t = Instant::now();
+    let (a, b) = (node(0, port, &two, &[]), node(1, port, &two, &[]));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert!(a.status.success() && b.status.success(), "node 0:\n{}\nnode 1:\n{}", text(&a), text(&b));
+    let summary = String::from_utf8_lossy(&a.stdout).lines().filter(|l| l.contains("\"summary\"")).count();
+    assert_eq!(summary, 1, "rank 0 (on node 0) reports, once:\n{}", text(&a));
+    assert!(!String::from_utf8_lossy(&b.stdout).contains("\"summary\""), "node 1's ranks do not report");
+    let (w1, w2) = (weights(&one), weights(&two));
+    assert!(w1 == w2, "2 nodes × 2 ranks must train to bitwise the 4-rank job's parameters");
+    eprintln!("two launchers: {:?}", t.elapsed());
+
+    // Rank 3 (node 1) is killed before step 2: every rank of both nodes stops, with an error.
+    let port = shardlab::launch::free_port().unwrap();
+    let t = Instant::now();
+    let dead = dir.join("dead.safetensors");
+    let fail = [("SHARDLAB_FAIL_AT", "step:3:2")];
+    let (a, b) = (node(0, port, &dead, &fail), node(1, port, &dead, &fail));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert!(!a.status.success() && !b.status.success(), "both launchers fail:\n{}\n{}", text(&a), text(&b));
+    assert!(t.elapsed() < Duration::from_secs(60), "took {:?} to stop", t.elapsed());
+    assert!(text(&b).contains("rank 3 failed"), "node 1's launcher names the dead rank:\n{}", text(&b));
+    assert!(text(&a).contains("rank 3"), "node 0's ranks say which peer they lost:\n{}", text(&a));
+    assert!(!dead.exists(), "a failed job saves no final weights");
+
+    // Several nodes need the secret shared by every machine.
+    let o = clean(&mut Command::new(LAUNCH))
+        .args(["--nnodes", "2", "--node-rank", "0", "--", TRAIN])
+        .env_remove("SHARDLAB_SECRET")
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && text(&o).contains("SHARDLAB_SECRET is not set"), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn slurm_node_lists_give_the_first_host() {
+    assert_eq!(first_host("gpu[07-09,12],cpu1").as_deref(), Some("gpu07"));
+    assert_eq!(first_host("a[1-2]-ib").as_deref(), Some("a1-ib"));
+    assert_eq!(first_host("n1,n2").as_deref(), Some("n1"));
+    assert_eq!(first_host("node003").as_deref(), Some("node003"));
+    assert_eq!(first_host("rack[2-3]n[01-04]").as_deref(), Some("rack2n01"), "every bracket group: its first value");
+    assert_eq!(first_host(""), None);
+}
