@@ -161,6 +161,7 @@ impl GptJob {
         let data = self.data.load()?;
         let model = self.build_model()?;
         let params = model.num_params();
+        let device = ctx.device()?;
         let (mut dp, mut opt) = ctx.prepare(Box::new(model), &self.optim)?;
         let (rank, n) = (ctx.rank(), ctx.world_size());
         // fp16 needs dynamic loss scaling (PyTorch's GradScaler rules); bf16 and fp32 do not.
@@ -193,7 +194,7 @@ impl GptJob {
         let warmup = (start + self.warmup).min(self.steps.saturating_sub(1));
         for step in start..self.steps {
             crate::launch::injected_failure("step", rank, step)?;
-            let batch = sampler.batch(&data, step);
+            let batch = sampler.batch(&data, step).to_device(device);
             ctx.group().barrier()?;
             let t0 = Instant::now();
             let cfg = StepConfig { lr: self.schedule().lr(step), grad_clip: self.grad_clip };

@@ -12,6 +12,8 @@ pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod ddp;
+pub mod device;
+pub mod flops;
 pub mod grading;
 pub mod job;
 pub mod launch;

@@ -91,7 +91,11 @@ impl Strategy {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ScalingConfig {
     pub num_workers: usize,
-    /// GPUs need the NCCL backend of lesson 11; `true` is refused until then.
+    /// Where each worker computes (lesson 11): `Cuda` puts rank r on `cuda:LOCAL_RANK` (an error
+    /// where there is no GPU); the local and tcp backends stage CUDA tensors through the host.
+    #[serde(default)]
+    pub device: crate::device::DeviceChoice,
+    /// The same as `device: Cuda` (Ray Train's name for it).
     pub use_gpu: bool,
     pub backend: Backend,
     /// Threads or processes (default: threads for `Local`, processes for `Tcp`).
@@ -125,6 +129,7 @@ impl Default for ScalingConfig {
     fn default() -> Self {
         ScalingConfig {
             num_workers: 1,
+            device: crate::device::DeviceChoice::Cpu,
             use_gpu: false,
             backend: Backend::Local,
             launch: None,
@@ -166,8 +171,16 @@ impl<'a> TrainContext<'a> {
     }
     /// Wrap `model` for the configured strategy (every strategy broadcasts rank 0's weights to
     /// all ranks first; ZeRO/FSDP then shard them).
+    /// This worker's device: `cuda:LOCAL_RANK` when the scaling config asks for CUDA.
+    pub fn device(&self) -> anyhow::Result<tch::Device> {
+        let choice = if self.scaling.use_gpu { crate::device::DeviceChoice::Cuda } else { self.scaling.device };
+        crate::device::resolve(choice, self.pg.local_rank())
+    }
     pub fn prepare_model(&self, mut model: Box<dyn Model + 'a>) -> anyhow::Result<Box<dyn DataParallel + 'a>> {
         model.set_precision(self.scaling.precision)?;
+        // Built on the CPU (the same initial weights everywhere), then moved to this rank's device
+        // before the wrapper builds its buffers next to the parameters.
+        model.set_device(self.device()?)?;
         let (reduce, precision) = (self.scaling.reduce_dtype, self.scaling.precision);
         anyhow::ensure!(
             reduce == Precision::Fp32 || self.scaling.strategy.zero_stage().is_some(),
@@ -247,8 +260,9 @@ impl Trainer {
 
     fn check(&self) -> anyhow::Result<()> {
         let s = &self.scaling;
-        if s.use_gpu {
-            anyhow::bail!("use_gpu: GPU workers need the NCCL backend (lesson 11), which this build does not have yet");
+        if s.use_gpu || s.device == crate::device::DeviceChoice::Cuda {
+            // Refused here, in the driver, before any worker starts (each worker resolves its own GPU).
+            crate::device::resolve(crate::device::DeviceChoice::Cuda, 0)?;
         }
         if s.num_workers == 0 {
             anyhow::bail!("num_workers must be at least 1");

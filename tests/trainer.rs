@@ -64,8 +64,15 @@ fn processes_stream_their_reports() {
 
 #[test]
 fn bad_configurations_are_refused() {
-    let gpu = ScalingConfig { use_gpu: true, ..ScalingConfig::default() };
-    assert!(fit(gpu).unwrap_err().to_string().contains("NCCL"));
+    // Asking for a GPU where there is none: an error saying why, never a silent CPU run.
+    if shardlab::device::cuda_devices() == 0 {
+        let gpu = ScalingConfig { use_gpu: true, ..ScalingConfig::default() };
+        assert!(fit(gpu).unwrap_err().to_string().contains("no CUDA device"));
+        let gpu = ScalingConfig { device: shardlab::device::DeviceChoice::Cuda, ..ScalingConfig::default() };
+        assert!(fit(gpu).unwrap_err().to_string().contains("no CUDA device"));
+    } else {
+        eprintln!("skipped the no-GPU refusal: a CUDA device is present");
+    }
     let none = ScalingConfig { num_workers: 0, ..ScalingConfig::default() };
     assert!(fit(none).unwrap_err().to_string().contains("at least 1"));
     let single = ScalingConfig { num_workers: 2, strategy: Strategy::Single, ..ScalingConfig::default() };

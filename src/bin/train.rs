@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --bin train -- --strategy ddp --world-size 2 --steps 30
 //! cargo run --release --bin train -- --strategy single --steps 200 --save out.safetensors
+//! cargo run --release --bin launch -- --nproc-per-node 2 -- train --strategy ddp --steps 30   # ranks started by `launch`
 //! cargo run --release --bin train -- --eval-only --init out.safetensors --data val.bin
 //! ```
 //!
@@ -146,6 +147,14 @@ struct Args {
     #[arg(long)]
     threads: Option<i32>,
     /// One JSON object per line.
+    /// Where each rank computes: cuda puts rank r on cuda:LOCAL_RANK (an error without a GPU);
+    /// auto: a GPU if libtorch sees one.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: shardlab::device::DeviceChoice,
+    /// Peak dense TFLOP/s of one device in the run's precision: the summary then reports MFU
+    /// (data-sheet figures for GPUs: `shardlab::flops::peak_tflops`).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
     #[arg(long)]
     json: bool,
 }
@@ -217,7 +226,15 @@ fn eval(args: &Args) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if shardlab::launch::external_launch() {
+        // One rank of a job started by `launch`, torchrun or srun: the launcher sets the world size.
+        let w = shardlab::comm::TcpInit::from_env()?.world_size;
+        if args.world_size != 1 && args.world_size != w {
+            bail!("--world-size {} but the launcher started WORLD_SIZE={w} ranks", args.world_size);
+        }
+        args.world_size = w;
+    }
     if let Some(p) = &args.write_corpus {
         synthetic_corpus(args.synthetic_tokens, args.seed).write(p)?;
         println!("wrote {} synthetic tokens to {}", args.synthetic_tokens, p.display());
@@ -244,6 +261,7 @@ fn main() -> anyhow::Result<()> {
     scaling.activation_checkpointing = args.activation_checkpointing;
     scaling.precision = args.precision;
     scaling.reduce_dtype = args.reduce_dtype;
+    scaling.device = args.device;
     let s = if args.max_restarts > 0 || args.shrink_on_failure {
         let elastic = job::Elastic {
             max_restarts: args.max_restarts,
@@ -273,9 +291,17 @@ fn main() -> anyhow::Result<()> {
     } else {
         args.job().fit(scaling, !args.json, args.json)?
     };
+    if shardlab::launch::external_rank().is_some_and(|r| r != 0) {
+        return Ok(()); // under a launcher every rank returns here; rank 0 reports
+    }
+    // Model FLOPs utilisation, when the device's peak is known (lesson 11).
+    let flops_per_token = shardlab::flops::flops_per_token(&args.job().model);
+    let mfu = args.peak_tflops.map(|p| shardlab::flops::mfu(s.tokens_per_s, flops_per_token, s.world_size, p));
     if args.json {
         let mut v = serde_json::to_value(&s)?;
         v["summary"] = json!(true);
+        v["flops_per_token"] = json!(flops_per_token);
+        v["mfu"] = json!(mfu);
         v.as_object_mut().map(|o| o.remove("losses"));
         println!("{v}");
     } else {
@@ -292,6 +318,15 @@ fn main() -> anyhow::Result<()> {
             s.comm_s,
             100.0 * s.hidden_comm_fraction
         );
+        if let (Some(m), Some(p)) = (mfu, args.peak_tflops) {
+            println!(
+                "MFU {:.2}% ({:.3e} model FLOPs per token × {:.0} tokens/s over {} × {p} TFLOP/s)",
+                100.0 * m,
+                flops_per_token,
+                s.tokens_per_s,
+                s.world_size
+            );
+        }
         if s.measured_steps < 5 {
             println!(
                 "(throughput from {} timed step(s) after warm-up: rough; run more --steps than --warmup {} for a median)",

@@ -125,6 +125,9 @@ impl ProcessGroup {
         if dst == self.rank() {
             return Err(self.fail(CommError::InvalidArgument("send: cannot send to self".into())));
         }
+        if on_device(t) {
+            return self.run(self.backend.send(&to_host(t), dst));
+        }
         self.run(self.backend.send(t, dst))
     }
 
@@ -133,6 +136,12 @@ impl ProcessGroup {
         self.check_rank("recv: source", src)?;
         if src == self.rank() {
             return Err(self.fail(CommError::InvalidArgument("recv: cannot receive from self".into())));
+        }
+        if on_device(t) {
+            let mut h = to_host(t);
+            self.run(self.backend.recv(&mut h, src))?;
+            copy_back(t, &h);
+            return Ok(());
         }
         self.run(self.backend.recv(t, src))
     }
@@ -143,11 +152,22 @@ impl ProcessGroup {
     }
     pub fn broadcast_with(&self, t: &mut Tensor, root: usize, algo: Algo) -> CommResult<()> {
         self.check_rank("broadcast: root", root)?;
+        if on_device(t) {
+            let mut h = to_host(t);
+            self.run(self.backend.broadcast(&mut h, root, algo))?;
+            copy_back(t, &h);
+            return Ok(());
+        }
         self.run(self.backend.broadcast(t, root, algo))
     }
     /// Non-blocking [`broadcast`](Self::broadcast): `t` comes back from [`Work::wait`].
     pub fn broadcast_async(&self, mut t: Tensor, root: usize) -> CommResult<Work<Tensor>> {
         self.check_rank("broadcast: root", root)?;
+        if on_device(&t) {
+            let mut h = to_host(&t);
+            let w = self.start(self.backend.broadcast(&mut h, root, self.cfg.broadcast_algo), h.shallow_clone())?;
+            return Ok(w.replace_out(t, move |t: &mut Tensor| copy_back(t, &h)));
+        }
         self.start(self.backend.broadcast(&mut t, root, self.cfg.broadcast_algo), t)
     }
 
@@ -156,11 +176,22 @@ impl ProcessGroup {
         self.all_reduce_with(t, op, self.cfg.all_reduce_algo)
     }
     pub fn all_reduce_with(&self, t: &mut Tensor, op: ReduceOp, algo: Algo) -> CommResult<()> {
+        if on_device(t) {
+            let mut h = to_host(t);
+            self.run(self.backend.all_reduce(&mut h, op, algo))?;
+            copy_back(t, &h);
+            return Ok(());
+        }
         self.run(self.backend.all_reduce(t, op, algo))
     }
     /// Non-blocking [`all_reduce`](Self::all_reduce): returns at once; the reduced `t` comes
     /// back from [`Work::wait`].
     pub fn all_reduce_async(&self, mut t: Tensor, op: ReduceOp) -> CommResult<Work<Tensor>> {
+        if on_device(&t) {
+            let mut h = to_host(&t);
+            let w = self.start(self.backend.all_reduce(&mut h, op, self.cfg.all_reduce_algo), h.shallow_clone())?;
+            return Ok(w.replace_out(t, move |t: &mut Tensor| copy_back(t, &h)));
+        }
         self.start(self.backend.all_reduce(&mut t, op, self.cfg.all_reduce_algo), t)
     }
 
@@ -170,11 +201,22 @@ impl ProcessGroup {
         self.all_gather_with(out, input, self.cfg.all_gather_algo)
     }
     pub fn all_gather_with(&self, out: &mut Tensor, input: &Tensor, algo: Algo) -> CommResult<()> {
+        if on_device(out) || on_device(input) {
+            let (mut h, i) = (to_host(out), to_host(input));
+            self.run(self.backend.all_gather(&mut h, &i, algo))?;
+            copy_back(out, &h);
+            return Ok(());
+        }
         self.run(self.backend.all_gather(out, input, algo))
     }
     /// Non-blocking [`all_gather`](Self::all_gather): `out` comes back from [`Work::wait`];
     /// `input` is dropped when the operation is done.
     pub fn all_gather_async(&self, mut out: Tensor, input: Tensor) -> CommResult<Work<Tensor>> {
+        if on_device(&out) || on_device(&input) {
+            let (mut h, i) = (to_host(&out), to_host(&input));
+            let w = self.start(self.backend.all_gather(&mut h, &i, self.cfg.all_gather_algo), h.shallow_clone())?;
+            return Ok(w.replace_out(out, move |t: &mut Tensor| copy_back(t, &h)));
+        }
         self.start(self.backend.all_gather(&mut out, &input, self.cfg.all_gather_algo), out)
     }
 
@@ -184,13 +226,44 @@ impl ProcessGroup {
         self.reduce_scatter_with(out, input, op, self.cfg.reduce_scatter_algo)
     }
     pub fn reduce_scatter_with(&self, out: &mut Tensor, input: &Tensor, op: ReduceOp, algo: Algo) -> CommResult<()> {
+        if on_device(out) || on_device(input) {
+            let (mut h, i) = (to_host(out), to_host(input));
+            self.run(self.backend.reduce_scatter(&mut h, &i, op, algo))?;
+            copy_back(out, &h);
+            return Ok(());
+        }
         self.run(self.backend.reduce_scatter(out, input, op, algo))
     }
     /// Non-blocking [`reduce_scatter`](Self::reduce_scatter): `out` comes back from
     /// [`Work::wait`]; `input` is dropped when the operation is done.
     pub fn reduce_scatter_async(&self, mut out: Tensor, input: Tensor, op: ReduceOp) -> CommResult<Work<Tensor>> {
+        if on_device(&out) || on_device(&input) {
+            let (mut h, i) = (to_host(&out), to_host(&input));
+            let w = self
+                .start(self.backend.reduce_scatter(&mut h, &i, op, self.cfg.reduce_scatter_algo), h.shallow_clone())?;
+            return Ok(w.replace_out(out, move |t: &mut Tensor| copy_back(t, &h)));
+        }
         self.start(self.backend.reduce_scatter(&mut out, &input, op, self.cfg.reduce_scatter_algo), out)
     }
+}
+
+/// CUDA tensors through the CPU backends (local, tcp): each operation runs on a host copy, and a
+/// tensor it writes is copied back to the device afterwards (a blocking call: before it returns;
+/// an `*_async` one: in `Work::wait`, on the waiting thread). The copies to the host are made on
+/// the calling thread, after the work queued on its device (libtorch's default stream) — so the
+/// values are those the caller computed. Staging costs two copies over PCIe per operation: the
+/// NCCL backend moves device memory directly.
+fn on_device(t: &Tensor) -> bool {
+    t.defined() && t.device().is_cuda()
+}
+
+fn to_host(t: &Tensor) -> Tensor {
+    t.to_device(tch::Device::Cpu).contiguous()
+}
+
+/// Copy the host result back into the device tensor.
+fn copy_back(dev: &mut Tensor, host: &Tensor) {
+    tch::no_grad(|| dev.copy_(host));
 }
 
 impl Drop for ProcessGroup {

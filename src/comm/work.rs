@@ -24,6 +24,9 @@ use std::time::Instant;
 pub struct Work<T = ()> {
     done: Done,
     out: T,
+    /// Run on `out` by `wait` once the operation succeeded (a CUDA tensor's copy back from its
+    /// host stand-in: on the waiting thread, so it is ordered before the caller uses `out`).
+    after: Option<Box<dyn FnOnce(&mut T) + Send>>,
 }
 
 enum Done {
@@ -53,7 +56,17 @@ impl<T> Work<T> {
             Done::Queued(rx) => rx.recv().map_err(|_| CommError::Io("communication thread stopped".into()))?,
             Done::InFlight(op, started) => (op.wait(), started, Instant::now()),
         };
-        r.map(|_| (self.out, WorkTiming { started, finished }))
+        r?;
+        let mut out = self.out;
+        if let Some(f) = self.after {
+            f(&mut out);
+        }
+        Ok((out, WorkTiming { started, finished }))
+    }
+    /// The same operation, handing back `out` instead, after `after(&mut out)` ran once it succeeded.
+    pub(crate) fn replace_out<U>(self, out: U, after: impl FnOnce(&mut U) + Send + 'static) -> Work<U> {
+        debug_assert!(self.after.is_none(), "one completion step per Work");
+        Work { done: self.done, out, after: Some(Box::new(after)) }
     }
     /// True once the operation finished (successfully or not).
     pub fn is_completed(&self) -> bool {
@@ -92,7 +105,7 @@ impl Worker {
     /// Queue `op` on the communication thread; `out` is handed back by [`Work::wait`].
     pub fn submit<T>(&self, op: Pending, out: T) -> Work<T> {
         let f = match op.0 {
-            Op::InFlight(op) => return Work { done: Done::InFlight(op, Instant::now()), out },
+            Op::InFlight(op) => return Work { done: Done::InFlight(op, Instant::now()), out, after: None },
             Op::Deferred(f) => f,
         };
         let (tx, rx) = crossbeam_channel::bounded(1);
@@ -121,7 +134,7 @@ impl Worker {
         });
         // If the thread were gone, the job (and its sender) is dropped and `wait` reports it.
         let _ = jobs.send(job);
-        Work { done: Done::Queued(rx), out }
+        Work { done: Done::Queued(rx), out, after: None }
     }
 
     /// Let the queued operations finish, then end the thread.

@@ -145,7 +145,8 @@ impl<'a> DdpBucketed<'a> {
                     n += params[i].numel() as i64;
                 }
                 let ready_stage = idx.iter().map(|&i| stages[i]).min().unwrap_or(0);
-                Bucket { params: idx, offsets, flat: flat_buffer(n), numel: n, ready_stage }
+                let dev = idx.first().map_or(tch::Device::Cpu, |&i| params[i].device());
+                Bucket { params: idx, offsets, flat: flat_buffer(n, dev), numel: n, ready_stage }
             })
             .collect();
         Ok(DdpBucketed {
@@ -187,7 +188,8 @@ impl DataParallel for DdpBucketed<'_> {
             }
             for (bi, b) in buckets.iter_mut().enumerate().filter(|(_, b)| b.ready_stage == stage) {
                 if !b.flat.defined() {
-                    b.flat = flat_buffer(b.numel); // lost with a failed step: start afresh
+                    b.flat = flat_buffer(b.numel, b.params.first().map_or(tch::Device::Cpu, |&i| params[i].device()));
+                    // lost with a failed step: start afresh
                 }
                 let g = grads(&b.params.iter().map(|&i| params[i].shallow_clone()).collect::<Vec<_>>());
                 for (g, &off) in g.iter().zip(&b.offsets) {
@@ -251,6 +253,7 @@ impl DataParallel for DdpBucketed<'_> {
     }
 }
 
-fn flat_buffer(n: i64) -> Tensor {
-    Tensor::zeros([n], (Kind::Float, tch::Device::Cpu))
+/// A bucket's flat gradients, on the parameters' device.
+fn flat_buffer(n: i64, device: tch::Device) -> Tensor {
+    Tensor::zeros([n], (Kind::Float, device))
 }

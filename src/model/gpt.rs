@@ -169,7 +169,7 @@ impl Gpt {
     pub fn embed(&self, idx: &Tensor) -> Tensor {
         let (_b, t) = idx.size2().expect("token batch must be (B, T)");
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size {}", self.cfg.block_size);
-        let pos = Tensor::arange(t, (Kind::Int64, Device::Cpu));
+        let pos = Tensor::arange(t, (Kind::Int64, idx.device()));
         // Look up in fp32 whatever the parameters' kind (a no-op for fp32 tables; a transient copy
         // of bf16 ones under ZeRO): the embedding backward adds every occurrence of a token into
         // the table's gradient, and on the CPU it accumulates in the table's dtype — in bf16, a
@@ -300,6 +300,12 @@ impl Model for Gpt {
     }
     fn var_store(&self) -> &nn::VarStore {
         &self.vs
+    }
+    fn set_device(&mut self, device: tch::Device) -> anyhow::Result<()> {
+        // VarStore::set_device replaces each variable's data in place (set_data), so the
+        // shallow clones in `params` move with it.
+        self.vs.set_device(device);
+        Ok(())
     }
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()

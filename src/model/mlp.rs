@@ -56,6 +56,12 @@ impl Model for Mlp {
     fn var_store(&self) -> &nn::VarStore {
         &self.vs
     }
+    fn set_device(&mut self, device: tch::Device) -> anyhow::Result<()> {
+        // VarStore::set_device replaces each variable's data in place (set_data), so the
+        // shallow clones in `params` move with it.
+        self.vs.set_device(device);
+        Ok(())
+    }
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
     }

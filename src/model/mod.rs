@@ -33,6 +33,10 @@ impl Batch {
     pub fn len(&self) -> i64 {
         self.x.size()[0]
     }
+    /// The batch on `device` (no copy when it is there already).
+    pub fn to_device(&self, device: tch::Device) -> Batch {
+        Batch { x: self.x.to_device(device), y: self.y.to_device(device) }
+    }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -73,6 +77,13 @@ pub trait Model: Send {
     /// The VarStore holding the parameters (group 0: weight-decayed, group 1: not), for
     /// libtorch's optimizers.
     fn var_store(&self) -> &tch::nn::VarStore;
+
+    /// Move the parameters to `device` (lesson 11), in place: the tensors `named_parameters`
+    /// returned before see the move. Default: the CPU only.
+    fn set_device(&mut self, device: tch::Device) -> anyhow::Result<()> {
+        anyhow::ensure!(device == tch::Device::Cpu, "this model stays on the CPU, it cannot move to {device:?}");
+        Ok(())
+    }
 
     /// The state dict for these parameter values (one per parameter, `named_parameters` order):
     /// the parameter names, plus the tied aliases PyTorch also writes. Sharded strategies pass

@@ -40,9 +40,13 @@ impl FlatLayout {
     pub fn shard_range(&self, rank: usize) -> Range<i64> {
         rank as i64 * self.shard..(rank as i64 + 1) * self.shard
     }
-    /// A zeroed (padded,) f32 buffer.
+    /// A zeroed (padded,) f32 buffer on the CPU.
     pub fn zeros(&self) -> Tensor {
-        Tensor::zeros([self.padded], (Kind::Float, tch::Device::Cpu))
+        self.zeros_on(tch::Device::Cpu)
+    }
+    /// A zeroed (padded,) f32 buffer on `device`.
+    pub fn zeros_on(&self, device: tch::Device) -> Tensor {
+        Tensor::zeros([self.padded], (Kind::Float, device))
     }
     /// Tensor `i` as a view into `flat` (a buffer of this layout).
     pub fn view(&self, flat: &Tensor, i: usize) -> Tensor {
@@ -50,7 +54,7 @@ impl FlatLayout {
     }
     /// Copy `tensors` into a new padded flat buffer (padding zero).
     pub fn flatten(&self, tensors: &[Tensor]) -> Tensor {
-        let flat = self.zeros();
+        let flat = self.zeros_on(tensors.first().map_or(tch::Device::Cpu, |t| t.device()));
         for (i, t) in tensors.iter().enumerate() {
             flat.narrow(0, self.offsets[i], self.numel(i)).copy_(&t.detach().reshape([-1]));
         }

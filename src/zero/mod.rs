@@ -125,6 +125,8 @@ struct Core<'a> {
     /// what units are gathered in (stage 3) or kept whole in (stages 1–2). The shards the
     /// optimizer steps — the master weights — are f32 whatever it is.
     param_kind: Kind,
+    /// Where the parameters, shards and buffers live.
+    device: tch::Device,
     /// The kind gradients are accumulated and reduced in (FSDP2's `reduce_dtype`; f32 by default).
     reduce_kind: Kind,
     /// Why a step now would be wrong (the last backward was not synchronised, or failed).
@@ -147,8 +149,8 @@ pub fn unit_plan(param_stages: &[usize], num_stages: usize, blocks_per_unit: usi
     keys.iter().map(|&k| (0..param_stages.len()).filter(|&i| key(param_stages[i]) == k).collect()).collect()
 }
 
-fn empty() -> Tensor {
-    Tensor::empty([0], (Kind::Float, tch::Device::Cpu))
+fn empty(device: tch::Device) -> Tensor {
+    Tensor::empty([0], (Kind::Float, device))
 }
 
 impl<'a> Zero<'a> {
@@ -179,6 +181,8 @@ impl<'a> Zero<'a> {
         let plan = unit_plan(&stages, model.num_stages(), blocks_per_unit);
         let (n, rank) = (pg.world_size(), pg.rank());
         let param_kind = model.precision().kind();
+        // Every buffer of this wrapper lives where the model's parameters do (lesson 11).
+        let device = params.first().map_or(tch::Device::Cpu, |p| p.device());
         let mut unit_of = vec![0; params.len()];
         let mut units = Vec::new();
         for (u, idx) in plan.into_iter().enumerate() {
@@ -187,7 +191,7 @@ impl<'a> Zero<'a> {
             let flat = layout.flatten(&idx.iter().map(|&i| params[i].shallow_clone()).collect::<Vec<_>>());
             let r = layout.shard_range(rank);
             let (full, shard) = if stage == Stage::Three {
-                tch::no_grad(|| idx.iter().for_each(|&i| params[i].set_data(&empty())));
+                tch::no_grad(|| idx.iter().for_each(|&i| params[i].set_data(&empty(device))));
                 (None, flat.narrow(0, r.start, r.end - r.start).copy())
             } else if param_kind == Kind::Float {
                 tch::no_grad(|| idx.iter().enumerate().for_each(|(j, &i)| params[i].set_data(&layout.view(&flat, j))));
@@ -211,7 +215,7 @@ impl<'a> Zero<'a> {
             let done_stage = idx.iter().map(|&i| stages[i]).min().unwrap_or(0);
             let is_root = u == 0 && idx.iter().any(|&i| stages[i] == 0 || stages[i] + 1 == model.num_stages());
             units.push(Unit {
-                grad_shard: Tensor::zeros([layout.shard], (Kind::Float, tch::Device::Cpu)),
+                grad_shard: Tensor::zeros([layout.shard], (Kind::Float, device)),
                 params: idx,
                 layout,
                 full,
@@ -241,6 +245,7 @@ impl<'a> Zero<'a> {
                 checkpointing: Checkpointing::None,
                 sync: true,
                 param_kind,
+                device,
                 reduce_kind: Kind::Float,
                 step_blocked: None,
                 reductions: Vec::new(),
@@ -289,7 +294,7 @@ impl Core<'_> {
             return Ok(());
         }
         let kind = self.param_kind;
-        let out = Tensor::empty([self.units[u].layout.padded], (kind, tch::Device::Cpu));
+        let out = Tensor::empty([self.units[u].layout.padded], (kind, self.device));
         self.track(kind.elt_size_in_bytes() as i64 * self.units[u].layout.padded);
         // (padded,) in the compute kind from N shards (bf16: half the bytes of f32). The shard is
         // a parameter the optimizer writes only after every gather of the step has been waited
@@ -327,7 +332,8 @@ impl Core<'_> {
             return;
         }
         let unit = &mut self.units[u];
-        tch::no_grad(|| unit.params.iter().for_each(|&i| self.params[i].set_data(&empty())));
+        let device = self.device;
+        tch::no_grad(|| unit.params.iter().for_each(|&i| self.params[i].set_data(&empty(device))));
         unit.full = None;
         let bytes = self.param_kind.elt_size_in_bytes() as i64 * unit.layout.padded;
         self.track(-bytes);
@@ -464,7 +470,7 @@ impl DataParallel for Zero<'_> {
             let full = match &u.full {
                 Some(f) if f.kind() == Kind::Float => f.shallow_clone(),
                 _ => {
-                    let mut f = u.layout.zeros();
+                    let mut f = u.layout.zeros_on(self.z.device);
                     self.z.pg.all_gather(&mut f, &u.shard)?;
                     f
                 }
@@ -684,7 +690,7 @@ impl StageHooks for Core<'_> {
                 // micro-batch and accumulate the f32 shard, so their buffer is in the reduce dtype.
                 let kind = if self.stage == Stage::One { Kind::Float } else { self.reduce_kind };
                 let padded = self.units[u].layout.padded;
-                self.units[u].grad_full = Some(Tensor::zeros([padded], (kind, tch::Device::Cpu)));
+                self.units[u].grad_full = Some(Tensor::zeros([padded], (kind, self.device)));
                 if self.stage != Stage::One {
                     let b = kind.elt_size_in_bytes() as i64 * padded; // stage 1 keeps it: not transient
                     self.track(b);
@@ -711,7 +717,7 @@ impl StageHooks for Core<'_> {
                 continue;
             }
             let Some(gf) = self.units[u].grad_full.as_ref() else { continue };
-            let out = Tensor::empty([self.units[u].layout.shard], (self.reduce_kind, tch::Device::Cpu));
+            let out = Tensor::empty([self.units[u].layout.shard], (self.reduce_kind, self.device));
             // (shard,) of grads averaged over dp, in the reduce kind. The unit keeps its full gradient (freed or
             // zeroed in finish_reduction, after the wait); the op reads it through this alias, or
             // reads a transient copy in the reduce kind (stage 1's f32 buffer with bf16 reduction).
