@@ -172,6 +172,24 @@ fn a_checkpoint_loads_into_any_strategy_and_world_size_and_training_continues() 
     })
     .unwrap();
     assert!(loaded[0] == at_save, "bf16 ZeRO-3 loads the fp32 masters exactly");
+    // A flipped byte in a piece: consolidate streams the piece out before its checksum is known,
+    // so it must fail and leave neither the output nor its temporary file.
+    let ck = checkpoint::resolve(&dir).unwrap();
+    let rank0 = ck.join("rank-00000.safetensors");
+    let mut bytes = std::fs::read(&rank0).unwrap();
+    // The first element of a parameter's piece (consolidate reads parameters, not AdamW's moments).
+    let head_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let head: shardlab::serde_json::Value = shardlab::serde_json::from_slice(&bytes[8..8 + head_len]).unwrap();
+    let (key, entry) =
+        head.as_object().unwrap().iter().find(|(k, _)| k.starts_with("param")).expect("a parameter piece");
+    let at = 8 + head_len + entry["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[at] ^= 0x10;
+    eprintln!("flipped a bit of {key}");
+    std::fs::write(&rank0, &bytes).unwrap();
+    let bad = dir.join("bad.safetensors");
+    let e = checkpoint::consolidate(&dir, &bad, false).unwrap_err().to_string();
+    assert!(e.contains("checksum") && e.contains("rank-00000.safetensors"), "{e}");
+    assert!(!bad.exists() && !dir.join("bad.safetensors.tmp").exists(), "a failed consolidate leaves no file behind");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -136,28 +136,93 @@ impl Reader {
 
     /// Elements `src..src + len` of tensor `key`.
     pub fn read(&mut self, key: &str, src: i64, len: i64) -> anyhow::Result<Vec<f32>> {
+        let mut v = vec![0f32; len.max(0) as usize];
+        self.read_into(key, src, &mut v, None)?;
+        Ok(v)
+    }
+
+    /// Elements `src..src + dst.len()` of `key` into `dst`, through a 1 MiB buffer (no copy of
+    /// the whole range in memory); `hash` sees the bytes read.
+    pub fn read_into(
+        &mut self,
+        key: &str,
+        src: i64,
+        dst: &mut [f32],
+        mut hash: Option<&mut Sha256>,
+    ) -> anyhow::Result<()> {
         let Some(&(b, e)) = self.entries.get(key) else { bail!("{}: no tensor {key} in this rank file", self.path) };
+        let len = dst.len() as i64;
         let (lo, hi) = (b + 4 * src as u64, b + 4 * (src + len) as u64);
         ensure!(src >= 0 && hi <= e, "{}: elements {src}..{} are outside {key}", self.path, src + len);
         self.file.seek(SeekFrom::Start(self.data_start + lo))?;
-        let mut buf = vec![0u8; (hi - lo) as usize];
-        self.file.read_exact(&mut buf).with_context(|| format!("reading {key} from {}", self.path))?;
+        let mut buf = vec![0u8; (1 << 20).min(hi - lo) as usize];
+        for out in dst.chunks_mut(buf.len().max(4) / 4) {
+            let bytes = &mut buf[..4 * out.len()];
+            self.file.read_exact(bytes).with_context(|| format!("reading {key} from {}", self.path))?;
+            if let Some(h) = hash.as_deref_mut() {
+                h.update(&*bytes);
+            }
+            for (x, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
         self.bytes_read += hi - lo;
-        Ok(buf.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        Ok(())
     }
 
     /// The whole of tensor `key`, checked against its recorded SHA-256.
     pub fn read_checked(&mut self, key: &str, sha256: &str) -> anyhow::Result<Vec<f32>> {
+        let n = self.numel(key).with_context(|| format!("{}: no tensor {key}", self.path))?;
+        let mut v = vec![0f32; n as usize];
+        self.read_checked_into(key, sha256, &mut v)?;
+        Ok(v)
+    }
+
+    /// The whole of tensor `key`, 1 MiB of raw little-endian f32 bytes at a time, to `f`; checked
+    /// against its recorded SHA-256 at the end (an error then means `f` saw corrupt bytes: the
+    /// caller must throw away what it made of them).
+    pub fn stream_checked(
+        &mut self,
+        key: &str,
+        sha256: &str,
+        mut f: impl FnMut(&[u8]) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
         let &(b, e) = self.entries.get(key).with_context(|| format!("{}: no tensor {key}", self.path))?;
-        let v = self.read(key, 0, ((e - b) / 4) as i64)?;
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let got = sha256_hex(&bytes);
+        self.file.seek(SeekFrom::Start(self.data_start + b))?;
+        let mut h = Sha256::new();
+        let mut buf = vec![0u8; (1 << 20).min(e - b) as usize];
+        let mut left = (e - b) as usize;
+        while left > 0 {
+            let bytes = &mut buf[..left.min(1 << 20)];
+            self.file.read_exact(bytes).with_context(|| format!("reading {key} from {}", self.path))?;
+            h.update(&*bytes);
+            f(bytes)?;
+            left -= bytes.len();
+        }
+        self.bytes_read += e - b;
+        let got: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
         ensure!(
             got == sha256,
             "{}: {key} does not match its checksum (sha256 {got}, the metadata says {sha256}): the file is corrupt",
             self.path
         );
-        Ok(v)
+        Ok(())
+    }
+
+    /// The whole of tensor `key` into `dst` (its length), checked against its recorded SHA-256 as
+    /// it streams by. On a mismatch `dst` holds the corrupt values: the caller must fail.
+    pub fn read_checked_into(&mut self, key: &str, sha256: &str, dst: &mut [f32]) -> anyhow::Result<()> {
+        let n = self.numel(key).with_context(|| format!("{}: no tensor {key}", self.path))?;
+        ensure!(dst.len() as i64 == n, "{}: {key} has {n} elements, not {}", self.path, dst.len());
+        let mut h = Sha256::new();
+        self.read_into(key, 0, dst, Some(&mut h))?;
+        let got: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        ensure!(
+            got == sha256,
+            "{}: {key} does not match its checksum (sha256 {got}, the metadata says {sha256}): the file is corrupt",
+            self.path
+        );
+        Ok(())
     }
 
     /// Elements of `key` in the file.

@@ -607,30 +607,46 @@ pub fn consolidate(path: &Path, out: &Path, bf16: bool) -> anyhow::Result<Consol
     w.write_all(&(head.len() as u64).to_le_bytes())?;
     w.write_all(&head)?;
     let mut readers: BTreeMap<String, files::Reader> = BTreeMap::new();
-    for (name, t) in &names {
-        let tm = &meta.tensors[t];
-        let numel = tm.shape.iter().product::<i64>();
-        let mut values = vec![0f32; numel as usize]; // one tensor in memory
-        let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
-        for r in plan::plan_reads(&ranges, 0..numel).map_err(|e| anyhow::anyhow!("{t}: {e}"))? {
-            let piece = &tm.pieces[r.piece];
-            let f =
-                meta.files.get(&piece.file).with_context(|| format!("{} is not listed in the metadata", piece.file))?;
-            if !readers.contains_key(&piece.file) {
-                readers.insert(piece.file.clone(), files::Reader::open(&dir.join(&piece.file), f.bytes)?);
+    let mut write_all = || -> anyhow::Result<()> {
+        for (name, t) in &names {
+            let tm = &meta.tensors[t];
+            let numel = tm.shape.iter().product::<i64>();
+            let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
+            // The reads come in the order they land and tile 0..numel, so every one is a whole piece:
+            // each streams from its rank file to the output 1 MiB at a time (no tensor is ever whole
+            // in memory), its checksum checked at its end — a corrupt piece fails the run before the
+            // output is renamed into place.
+            for r in plan::plan_reads(&ranges, 0..numel).map_err(|e| anyhow::anyhow!("{t}: {e}"))? {
+                let piece = &tm.pieces[r.piece];
+                anyhow::ensure!(r.src == 0 && r.len == piece.hi - piece.lo, "{t}: a partial read of a piece");
+                let f = meta
+                    .files
+                    .get(&piece.file)
+                    .with_context(|| format!("{} is not listed in the metadata", piece.file))?;
+                if !readers.contains_key(&piece.file) {
+                    readers.insert(piece.file.clone(), files::Reader::open(&dir.join(&piece.file), f.bytes)?);
+                }
+                let reader = readers.get_mut(&piece.file).expect("opened");
+                reader.stream_checked(&piece.key, &piece.sha256, |bytes| {
+                    if bf16 {
+                        let vals: Vec<f32> =
+                            bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                        let t = Tensor::from_slice(&vals).to_kind(tch::Kind::BFloat16);
+                        let b = crate::comm::dtype::TensorBytes::of(&t, name).map_err(anyhow::Error::msg)?;
+                        w.write_all(b.bytes())?;
+                    } else {
+                        w.write_all(bytes)?; // f32 little-endian in, f32 little-endian out
+                    }
+                    Ok(())
+                })?;
             }
-            let vals = readers.get_mut(&piece.file).expect("opened").read_checked(&piece.key, &piece.sha256)?;
-            values[(r.dst) as usize..(r.dst + r.len) as usize]
-                .copy_from_slice(&vals[r.src as usize..(r.src + r.len) as usize]);
         }
-        if bf16 {
-            let t = Tensor::from_slice(&values).to_kind(tch::Kind::BFloat16);
-            let b = crate::comm::dtype::TensorBytes::of(&t, name).map_err(anyhow::Error::msg)?;
-            w.write_all(b.bytes())?;
-        } else {
-            let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
-            w.write_all(&bytes)?;
-        }
+        Ok(())
+    };
+    if let Err(e) = write_all() {
+        drop(w);
+        let _ = std::fs::remove_file(&tmp); // never a half-written output
+        return Err(e);
     }
     let file = w.into_inner().map_err(|e| anyhow::anyhow!("writing {}: {}", tmp.display(), e.error()))?;
     file.sync_all()?;
