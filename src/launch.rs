@@ -248,7 +248,10 @@ where
                 run_threads(pgs, &f)
             })
         }
-        (Backend::Tcp, Launch::Processes) => run_processes(call, &opts),
+        (Backend::Tcp | Backend::Nccl, Launch::Processes) => run_processes(call, &opts),
+        (Backend::Nccl, Launch::Threads) => {
+            Err(LaunchError::one("the nccl backend runs ranks as processes (one GPU each); use Launch::Processes"))
+        }
     }
 }
 
@@ -378,7 +381,10 @@ where
         .unwrap_or_else(|| opts.config.clone());
     let outcome = TcpInit::from_env().and_then(|init| {
         set_threads(opts, init.local_world_size);
-        ProcessGroup::init_tcp(&init, cfg)
+        match opts.backend {
+            Backend::Nccl => ProcessGroup::init_nccl(&init, cfg),
+            _ => ProcessGroup::init_tcp(&init, cfg),
+        }
     });
     let outcome = match outcome {
         Err(e) => ChildOutcome::Err(e.to_string()),
@@ -411,11 +417,10 @@ where
              but it is starting a second job (spawn call #{call}): run one job per launch"
         )));
     }
-    if opts.backend != Backend::Tcp {
-        return Err(err(format!(
-            "started by a launcher, the ranks are processes: use the tcp backend (this job asks for {:?})",
-            opts.backend
-        )));
+    if opts.backend == Backend::Local {
+        return Err(err(
+            "started by a launcher, the ranks are processes: use the tcp or nccl backend, not local".into()
+        ));
     }
     if init.world_size != opts.world_size {
         return Err(err(format!(
@@ -424,7 +429,11 @@ where
         )));
     }
     set_threads(opts, init.local_world_size);
-    let pg = ProcessGroup::init_tcp(&init, opts.config.clone()).map_err(|e| err(e.to_string()))?;
+    let pg = match opts.backend {
+        Backend::Nccl => ProcessGroup::init_nccl(&init, opts.config.clone()),
+        _ => ProcessGroup::init_tcp(&init, opts.config.clone()),
+    }
+    .map_err(|e| err(e.to_string()))?;
     let r = run_rank(&pg, &f);
     drop(pg);
     r.map(|v| vec![v]).map_err(err)

@@ -267,6 +267,9 @@ impl Trainer {
         if s.num_workers == 0 {
             anyhow::bail!("num_workers must be at least 1");
         }
+        if s.backend == crate::comm::Backend::Nccl && !(s.use_gpu || s.device == crate::device::DeviceChoice::Cuda) {
+            anyhow::bail!("the nccl backend moves CUDA tensors: ask for device cuda (train --device cuda)");
+        }
         if s.strategy == Strategy::Single && s.num_workers != 1 {
             anyhow::bail!("the single strategy runs one worker, not {}", s.num_workers);
         }

@@ -4,8 +4,9 @@
 //! and the asynchronous machinery (the communication thread and [`Work`](super::Work)); a
 //! [`CommBackend`] implements whole operations on tensors.
 //!
-//! Today there is one implementation, the host backend (`host.rs`): CPU tensors, the algorithms
-//! of `algo/` over a byte transport (`local.rs`: threads; `tcp/`: processes and machines).
+//! Two implementations: the host backend (`host.rs`): CPU tensors, the algorithms of `algo/`
+//! over a byte transport (`local.rs`: threads; `tcp/`: processes and machines); and the NCCL
+//! backend (`nccl.rs`, lesson 11), following the design below.
 
 use super::algo::Algo;
 use super::dtype::ReduceOp;

@@ -16,6 +16,9 @@ pub enum Backend {
     Local,
     /// Ranks are processes (possibly on several machines) connected by TCP.
     Tcp,
+    /// Ranks are processes, one GPU each, whose collectives NCCL runs on device memory (lesson
+    /// 11); the rendezvous is the tcp backend's store. CPU tensors are staged through the GPU.
+    Nccl,
 }
 
 /// Tunables of a process group. `CommConfig::default()` reads the `SHARDLAB_*` environment

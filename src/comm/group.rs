@@ -13,7 +13,7 @@ use super::frame::OpKind;
 use super::store::StoreServer;
 use super::work::{Work, Worker};
 use std::sync::Arc;
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 /// A group of `world_size` ranks that communicate; each rank holds its own `ProcessGroup`.
 ///
@@ -125,8 +125,8 @@ impl ProcessGroup {
         if dst == self.rank() {
             return Err(self.fail(CommError::InvalidArgument("send: cannot send to self".into())));
         }
-        if on_device(t) {
-            return self.run(self.backend.send(&to_host(t), dst));
+        if let Some(d) = self.stage_to(&[t]) {
+            return self.run(self.backend.send(&to(t, d), dst));
         }
         self.run(self.backend.send(t, dst))
     }
@@ -137,8 +137,8 @@ impl ProcessGroup {
         if src == self.rank() {
             return Err(self.fail(CommError::InvalidArgument("recv: cannot receive from self".into())));
         }
-        if on_device(t) {
-            let mut h = to_host(t);
+        if let Some(d) = self.stage_to(&[t]) {
+            let mut h = to(t, d);
             self.run(self.backend.recv(&mut h, src))?;
             copy_back(t, &h);
             return Ok(());
@@ -152,8 +152,8 @@ impl ProcessGroup {
     }
     pub fn broadcast_with(&self, t: &mut Tensor, root: usize, algo: Algo) -> CommResult<()> {
         self.check_rank("broadcast: root", root)?;
-        if on_device(t) {
-            let mut h = to_host(t);
+        if let Some(d) = self.stage_to(&[t]) {
+            let mut h = to(t, d);
             self.run(self.backend.broadcast(&mut h, root, algo))?;
             copy_back(t, &h);
             return Ok(());
@@ -163,8 +163,8 @@ impl ProcessGroup {
     /// Non-blocking [`broadcast`](Self::broadcast): `t` comes back from [`Work::wait`].
     pub fn broadcast_async(&self, mut t: Tensor, root: usize) -> CommResult<Work<Tensor>> {
         self.check_rank("broadcast: root", root)?;
-        if on_device(&t) {
-            let mut h = to_host(&t);
+        if let Some(d) = self.stage_to(&[&t]) {
+            let mut h = to(&t, d);
             let w = self.start(self.backend.broadcast(&mut h, root, self.cfg.broadcast_algo), h.shallow_clone())?;
             return Ok(w.replace_out(t, move |t: &mut Tensor| copy_back(t, &h)));
         }
@@ -176,8 +176,8 @@ impl ProcessGroup {
         self.all_reduce_with(t, op, self.cfg.all_reduce_algo)
     }
     pub fn all_reduce_with(&self, t: &mut Tensor, op: ReduceOp, algo: Algo) -> CommResult<()> {
-        if on_device(t) {
-            let mut h = to_host(t);
+        if let Some(d) = self.stage_to(&[t]) {
+            let mut h = to(t, d);
             self.run(self.backend.all_reduce(&mut h, op, algo))?;
             copy_back(t, &h);
             return Ok(());
@@ -187,8 +187,8 @@ impl ProcessGroup {
     /// Non-blocking [`all_reduce`](Self::all_reduce): returns at once; the reduced `t` comes
     /// back from [`Work::wait`].
     pub fn all_reduce_async(&self, mut t: Tensor, op: ReduceOp) -> CommResult<Work<Tensor>> {
-        if on_device(&t) {
-            let mut h = to_host(&t);
+        if let Some(d) = self.stage_to(&[&t]) {
+            let mut h = to(&t, d);
             let w = self.start(self.backend.all_reduce(&mut h, op, self.cfg.all_reduce_algo), h.shallow_clone())?;
             return Ok(w.replace_out(t, move |t: &mut Tensor| copy_back(t, &h)));
         }
@@ -201,8 +201,8 @@ impl ProcessGroup {
         self.all_gather_with(out, input, self.cfg.all_gather_algo)
     }
     pub fn all_gather_with(&self, out: &mut Tensor, input: &Tensor, algo: Algo) -> CommResult<()> {
-        if on_device(out) || on_device(input) {
-            let (mut h, i) = (to_host(out), to_host(input));
+        if let Some(d) = self.stage_to(&[out, input]) {
+            let (mut h, i) = (to(out, d), to(input, d));
             self.run(self.backend.all_gather(&mut h, &i, algo))?;
             copy_back(out, &h);
             return Ok(());
@@ -212,8 +212,8 @@ impl ProcessGroup {
     /// Non-blocking [`all_gather`](Self::all_gather): `out` comes back from [`Work::wait`];
     /// `input` is dropped when the operation is done.
     pub fn all_gather_async(&self, mut out: Tensor, input: Tensor) -> CommResult<Work<Tensor>> {
-        if on_device(&out) || on_device(&input) {
-            let (mut h, i) = (to_host(&out), to_host(&input));
+        if let Some(d) = self.stage_to(&[&out, &input]) {
+            let (mut h, i) = (to(&out, d), to(&input, d));
             let w = self.start(self.backend.all_gather(&mut h, &i, self.cfg.all_gather_algo), h.shallow_clone())?;
             return Ok(w.replace_out(out, move |t: &mut Tensor| copy_back(t, &h)));
         }
@@ -226,8 +226,8 @@ impl ProcessGroup {
         self.reduce_scatter_with(out, input, op, self.cfg.reduce_scatter_algo)
     }
     pub fn reduce_scatter_with(&self, out: &mut Tensor, input: &Tensor, op: ReduceOp, algo: Algo) -> CommResult<()> {
-        if on_device(out) || on_device(input) {
-            let (mut h, i) = (to_host(out), to_host(input));
+        if let Some(d) = self.stage_to(&[out, input]) {
+            let (mut h, i) = (to(out, d), to(input, d));
             self.run(self.backend.reduce_scatter(&mut h, &i, op, algo))?;
             copy_back(out, &h);
             return Ok(());
@@ -237,8 +237,8 @@ impl ProcessGroup {
     /// Non-blocking [`reduce_scatter`](Self::reduce_scatter): `out` comes back from
     /// [`Work::wait`]; `input` is dropped when the operation is done.
     pub fn reduce_scatter_async(&self, mut out: Tensor, input: Tensor, op: ReduceOp) -> CommResult<Work<Tensor>> {
-        if on_device(&out) || on_device(&input) {
-            let (mut h, i) = (to_host(&out), to_host(&input));
+        if let Some(d) = self.stage_to(&[&out, &input]) {
+            let (mut h, i) = (to(&out, d), to(&input, d));
             let w = self
                 .start(self.backend.reduce_scatter(&mut h, &i, op, self.cfg.reduce_scatter_algo), h.shallow_clone())?;
             return Ok(w.replace_out(out, move |t: &mut Tensor| copy_back(t, &h)));
@@ -247,23 +247,37 @@ impl ProcessGroup {
     }
 }
 
-/// CUDA tensors through the CPU backends (local, tcp): each operation runs on a host copy, and a
-/// tensor it writes is copied back to the device afterwards (a blocking call: before it returns;
-/// an `*_async` one: in `Work::wait`, on the waiting thread). The copies to the host are made on
-/// the calling thread, after the work queued on its device (libtorch's default stream) — so the
-/// values are those the caller computed. Staging costs two copies over PCIe per operation: the
-/// NCCL backend moves device memory directly.
-fn on_device(t: &Tensor) -> bool {
-    t.defined() && t.device().is_cuda()
+/// Tensors on the wrong side for the backend: CUDA tensors through the CPU backends (local, tcp)
+/// and CPU tensors through NCCL (a loss, a flag) run on a copy where the backend wants them, and a
+/// tensor the operation writes is copied back afterwards (a blocking call: before it returns; an
+/// `*_async` one: in `Work::wait`, on the waiting thread). The copies are made on the calling
+/// thread, after the work already queued on the device (libtorch's default stream), so the values
+/// are those the caller computed. Staging costs two copies over PCIe per operation: NCCL moves
+/// device memory in place.
+fn to(t: &Tensor, device: Device) -> Tensor {
+    t.to_device(device).contiguous()
 }
 
-fn to_host(t: &Tensor) -> Tensor {
-    t.to_device(tch::Device::Cpu).contiguous()
+/// Copy the staged result back into the caller's tensor.
+fn copy_back(dst: &mut Tensor, staged: &Tensor) {
+    tch::no_grad(|| dst.copy_(staged));
 }
 
-/// Copy the host result back into the device tensor.
-fn copy_back(dev: &mut Tensor, host: &Tensor) {
-    tch::no_grad(|| dev.copy_(host));
+impl ProcessGroup {
+    /// Where `tensors` must be copied for this group's backend; `None`: used where they are.
+    fn stage_to(&self, tensors: &[&Tensor]) -> Option<Device> {
+        let wrong = |t: &&Tensor| {
+            t.defined()
+                && match self.kind {
+                    Backend::Nccl => t.device() == Device::Cpu,
+                    _ => t.device() != Device::Cpu,
+                }
+        };
+        tensors.iter().any(wrong).then(|| match self.kind {
+            Backend::Nccl => Device::Cuda(self.local_rank % crate::device::cuda_devices().max(1)),
+            _ => Device::Cpu,
+        })
+    }
 }
 
 impl Drop for ProcessGroup {

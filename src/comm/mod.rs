@@ -71,6 +71,7 @@ pub(crate) mod frame;
 mod group;
 mod host;
 pub(crate) mod local;
+pub mod nccl;
 mod rendezvous;
 pub mod store;
 pub(crate) mod tcp;

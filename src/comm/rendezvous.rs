@@ -165,6 +165,56 @@ impl ProcessGroup {
         Ok(pg)
     }
 
+    /// Join an NCCL group (lesson 11): the tcp backend's rendezvous (rank 0's store, every
+    /// connection authenticated), rank 0's NCCL unique id handed to every rank through it, then
+    /// `ncclCommInitRank` on `cuda:LOCAL_RANK` (modulo the GPUs this process sees).
+    pub fn init_nccl(init: &TcpInit, mut cfg: CommConfig) -> CommResult<ProcessGroup> {
+        let (rank, n) = (init.rank, init.world_size);
+        if n == 0 || rank >= n {
+            return Err(CommError::InvalidArgument(format!("RANK {rank} is out of range for WORLD_SIZE {n}")));
+        }
+        cfg.validate()?;
+        let gpus = crate::device::cuda_devices();
+        if gpus == 0 {
+            return Err(CommError::InvalidArgument(
+                "the nccl backend needs a CUDA device, and libtorch sees none (use the tcp backend on CPUs)".into(),
+            ));
+        }
+        let lib = super::nccl::Lib::get()?;
+        let device = init.local_rank % gpus;
+        let secret = auth::job_secret(&cfg, rank, &init.master_addr, init.master_port)?;
+        cfg.secret = Some(secret.clone());
+        let master = format!("{}:{}", init.master_addr, init.master_port);
+        let server = if rank == 0 {
+            let ip: std::net::IpAddr = cfg.store_bind.parse().map_err(|_| {
+                CommError::InvalidArgument(format!("SHARDLAB_STORE_BIND {:?} is not an IP address", cfg.store_bind))
+            })?;
+            Some(StoreServer::bind(std::net::SocketAddr::new(ip, init.master_port), &cfg.job_id, &secret)?)
+        } else {
+            None
+        };
+        let mut client = StoreClient::connect(&master, &cfg.job_id, &secret, cfg.rendezvous_timeout)?;
+        if client.add(&format!("joined/{rank}"), 1)? > 1 {
+            return Err(CommError::Rendezvous(format!("two processes joined as RANK {rank}")));
+        }
+        if rank == 0 {
+            client.set("nccl/id", &lib.unique_id()?.0)?;
+        }
+        let id = client.get("nccl/id", cfg.rendezvous_timeout)?.ok_or_else(|| {
+            CommError::Rendezvous(format!("rank 0 did not publish the NCCL id within {:?}", cfg.rendezvous_timeout))
+        })?;
+        let id: [u8; 128] =
+            id.try_into().map_err(|_| CommError::Protocol("the NCCL id in the store is not 128 bytes".into()))?;
+        let backend = super::nccl::NcclBackend::new(super::nccl::UniqueId(id), rank, n, device, cfg.timeout)?;
+        let local = (init.local_rank, init.local_world_size);
+        let pg = ProcessGroup::new(Arc::new(backend), Backend::Nccl, cfg, local, server);
+        pg.barrier()?;
+        if let Some(s) = &pg.store {
+            s.close();
+        }
+        Ok(pg)
+    }
+
     /// Join a TCP group described by the environment, as torchrun sets it: RANK, WORLD_SIZE,
     /// MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500), LOCAL_RANK, LOCAL_WORLD_SIZE.
     ///
