@@ -15,6 +15,7 @@ fn main() {
         // the same binary at its own PyTorch libraries.
         println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags,-rpath,{lib}");
         let cuda = std::path::Path::new(&lib).join("libtorch_cuda.so");
+        println!("cargo:rerun-if-changed={}", cuda.display());
         if cuda.is_file() {
             println!("cargo:rustc-link-arg-bins=-Wl,--no-as-needed,{},--as-needed", cuda.display());
         }

@@ -38,31 +38,39 @@ pub fn mfu(tokens_per_s: f64, flops_per_token: f64, devices: usize, peak_tflops:
 }
 
 /// Dense peak TFLOP/s of a GPU in a precision, from its name as CUDA reports it (data sheets,
-/// tensor cores, no sparsity); `None` for a device not in the table (give `--peak-tflops`).
-/// fp32 here means TF32 tensor cores, which libtorch uses for fp32 matmuls only when allowed;
-/// the figure is an upper bound.
+/// no sparsity); `None` for a device not in the table, or a precision it has no tensor cores for
+/// (give `--peak-tflops`). fp32 is the CUDA-core rate: libtorch leaves TF32 off for matmuls by
+/// default, so fp32 matmuls do not run on the tensor cores.
 pub fn peak_tflops(device_name: &str, precision: Precision) -> Option<f64> {
     let n = device_name.to_ascii_uppercase();
-    // (name fragment, bf16/fp16 dense, tf32 dense); the first fragment that matches wins.
-    const TABLE: &[(&str, f64, f64)] = &[
-        ("B200", 2250.0, 1100.0),
-        ("H200", 989.0, 494.0),
-        ("H100 PCIE", 756.0, 378.0),
-        ("H100", 989.0, 494.0),
-        ("H800", 989.0, 494.0),
-        ("A100", 312.0, 156.0),
-        ("A800", 312.0, 156.0),
-        ("L40S", 362.0, 183.0),
-        ("L4", 121.0, 60.0),
-        ("RTX 4090", 165.0, 82.6),
-        ("V100", 125.0, 15.7),
-        ("T4", 65.0, 8.1),
+    // (name fragment, bf16, fp16, fp32); the first fragment that matches wins, so the more specific
+    // names come first ("H100 NVL" before "H100", "L40S" before "L40" before "L4").
+    const TABLE: &[(&str, Option<f64>, f64, f64)] = &[
+        ("GB200", None, 0.0, 0.0), // per-GPU figures differ from B200's: not in this table
+        ("B200", Some(2250.0), 2250.0, 80.0),
+        ("H200 NVL", Some(835.0), 835.0, 60.0),
+        ("H200", Some(989.0), 989.0, 67.0),
+        ("H100 NVL", Some(835.0), 835.0, 60.0),
+        ("H100 PCIE", Some(756.0), 756.0, 51.0),
+        ("H100", Some(989.0), 989.0, 67.0),
+        ("H800 PCIE", Some(756.0), 756.0, 51.0),
+        ("H800", Some(989.0), 989.0, 67.0),
+        ("A100", Some(312.0), 312.0, 19.5),
+        ("A800", Some(312.0), 312.0, 19.5),
+        ("L40S", Some(362.0), 362.0, 91.6),
+        ("L40", Some(181.0), 181.0, 90.5),
+        ("L4", Some(121.0), 121.0, 30.3),
+        ("RTX 4090", Some(165.0), 165.0, 82.6),
+        ("V100", None, 125.0, 15.7),
+        ("T4", None, 65.0, 8.1),
     ];
-    let (_, half, tf32) = TABLE.iter().find(|(k, ..)| n.contains(k))?;
-    Some(match precision {
-        Precision::Fp32 => *tf32,
-        Precision::Bf16 | Precision::Fp16 => *half,
-    })
+    let (_, bf16, fp16, fp32) = TABLE.iter().find(|(k, ..)| n.contains(k))?;
+    let peak = match precision {
+        Precision::Bf16 => (*bf16)?,
+        Precision::Fp16 => *fp16,
+        Precision::Fp32 => *fp32,
+    };
+    (peak > 0.0).then_some(peak)
 }
 
 #[cfg(test)]
@@ -81,7 +89,11 @@ mod tests {
         let m = mfu(1e5, flops_per_token(&cfg), 1, peak_tflops("NVIDIA H100 80GB HBM3", Precision::Bf16).unwrap());
         assert!((m - 0.08647).abs() < 1e-4, "{m}");
         assert_eq!(peak_tflops("NVIDIA H100 PCIe", Precision::Bf16), Some(756.0));
-        assert_eq!(peak_tflops("NVIDIA H200", Precision::Fp32), Some(494.0));
+        assert_eq!(peak_tflops("NVIDIA H200", Precision::Fp32), Some(67.0), "CUDA cores: TF32 is off by default");
+        assert_eq!(peak_tflops("NVIDIA L40", Precision::Bf16), Some(181.0), "not the L4's row");
+        assert_eq!(peak_tflops("NVIDIA H100 NVL", Precision::Bf16), Some(835.0));
+        assert_eq!(peak_tflops("Tesla V100-SXM2-32GB", Precision::Bf16), None, "no bf16 tensor cores");
+        assert_eq!(peak_tflops("NVIDIA GB200", Precision::Bf16), None);
         assert_eq!(peak_tflops("cpu", Precision::Bf16), None);
     }
 

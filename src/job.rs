@@ -207,6 +207,9 @@ impl GptJob {
                     )
                 })?;
             let local = out.loss;
+            if let tch::Device::Cuda(i) = device {
+                tch::Cuda::synchronize(i as i64); // kernels are asynchronous: time them to their end
+            }
             let dt = t0.elapsed().as_secs_f64();
             let mut l = Tensor::from_slice(&[local]);
             ctx.group().all_reduce(&mut l, ReduceOp::Avg)?;

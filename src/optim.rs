@@ -153,6 +153,9 @@ fn check_slots(params: &[Tensor], grads: &[Tensor], decay: &[Decay]) -> Result<(
         if g.defined() && p.size() != g.size() {
             return Err(format!("slot {i}: parameter {:?} but gradient {:?}", p.size(), g.size()));
         }
+        if g.defined() && p.device() != g.device() {
+            return Err(format!("slot {i}: parameter on {:?} but gradient on {:?}", p.device(), g.device()));
+        }
     }
     Ok(())
 }

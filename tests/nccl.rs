@@ -8,8 +8,22 @@ use shardlab::prelude::*;
 
 const NAME: &str = "nccl_collectives_at_world_size_one";
 
+/// Test binaries do not link libtorch_cuda.so (build.rs links it into the bins only): load it
+/// before any libtorch call, so that libtorch sees the GPUs where there are some. The one on
+/// LD_LIBRARY_PATH first (a GPU machine's own PyTorch), else the one we built against.
+fn load_libtorch_cuda() {
+    let built = format!("{}/libtorch_cuda.so", env!("SHARDLAB_LIBTORCH_LIB"));
+    for name in ["libtorch_cuda.so", built.as_str()] {
+        let c = std::ffi::CString::new(name).unwrap();
+        if !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+            return;
+        }
+    }
+}
+
 #[test]
 fn nccl_collectives_at_world_size_one() {
+    load_libtorch_cuda();
     let opts = SpawnOptions::new(1, Backend::Nccl).child_args(vec![
         "--exact".into(),
         NAME.into(),
@@ -17,6 +31,11 @@ fn nccl_collectives_at_world_size_one() {
         "--test-threads=1".into(),
     ]);
     if cuda_devices() == 0 {
+        // On the device check (`.ci/gpu`) a skip would be a silent pass: fail instead.
+        assert!(
+            std::env::var_os("SHARDLAB_EXPECT_GPU").is_none(),
+            "SHARDLAB_EXPECT_GPU is set, but libtorch sees no GPU"
+        );
         let e = spawn_with(opts, |_pg| Ok(())).unwrap_err().to_string();
         assert!(e.contains("needs a CUDA device"), "{e}");
         let t = spawn_with(SpawnOptions::new(1, Backend::Nccl).launch(Launch::Threads), |_pg| Ok(()));

@@ -6,6 +6,14 @@
 //! both loaded (PyTorch's wheel ships `libnccl.so.2` in nvidia-nccl-cu13 and libtorch_cuda needs
 //! it), and we take those; otherwise `SHARDLAB_NCCL_LIB` may name the library file.
 //!
+//! Point-to-point: each `send`/`recv` is its own NCCL call, so a pair of ranks must order them
+//! (one sends first, the other receives first); both sending first deadlocks, where the host
+//! backends buffer a send. The collectives have no such caveat.
+//!
+//! Not yet: non-blocking communicator creation (`ncclCommInitRankConfig`), so `init_nccl` and
+//! NCCL's first connection set-up are not bounded by the rendezvous timeout; an abort is local
+//! (NCCL has no message to its peers: theirs fail on NCCL's error or on the group's timeout).
+//!
 //! Ordering: libtorch computes on the device's legacy default stream. Each operation records an
 //! event there, makes the backend's own stream wait for it (the kernels that produced the input
 //! have run), enqueues the NCCL kernel on the backend's stream and records a completion event;
@@ -18,7 +26,7 @@ use super::error::{CommError, CommResult};
 use super::frame::OpKind;
 use super::Algo;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tch::Tensor;
@@ -65,7 +73,7 @@ fn open(names: &[String]) -> Result<*mut c_void, String> {
     for n in names {
         let c = CString::new(n.as_str()).map_err(|e| e.to_string())?;
         // Already loaded (by libtorch_cuda) first, then the dynamic linker's search.
-        for flags in [libc::RTLD_NOW | libc::RTLD_NOLOAD, libc::RTLD_NOW | libc::RTLD_GLOBAL] {
+        for flags in [libc::RTLD_NOW | libc::RTLD_NOLOAD, libc::RTLD_NOW | libc::RTLD_LOCAL] {
             let h = unsafe { libc::dlopen(c.as_ptr(), flags) };
             if !h.is_null() {
                 return Ok(h);
@@ -175,17 +183,39 @@ fn nccl_op(op: ReduceOp) -> c_int {
     }
 }
 
+/// The communicator handle, `None` once aborted or destroyed (NCCL frees it then): every use
+/// takes the read lock, abort and destroy the write lock.
+struct Handle(std::sync::RwLock<Option<usize>>);
+
+impl Handle {
+    fn get(&self) -> Option<Comm> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).map(|c| c as Comm)
+    }
+    /// Abort (or destroy) it once; later calls do nothing.
+    fn end(&self, lib: &Lib, destroy: bool) {
+        let mut g = self.0.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = g.take() {
+            unsafe {
+                if destroy {
+                    (lib.comm_destroy)(c as Comm);
+                } else {
+                    (lib.comm_abort)(c as Comm);
+                }
+            }
+        }
+    }
+}
+
 /// One rank's NCCL communicator.
 pub struct NcclBackend {
     lib: &'static Lib,
-    comm: Comm,
+    comm: Arc<Handle>,
     stream: Stream,
     rank: usize,
     world: usize,
     device: usize,
     timeout: Duration,
     poison: Arc<Mutex<Option<CommError>>>,
-    aborted: Arc<AtomicBool>,
     sent: AtomicU64,
     calls: [AtomicU64; 7],
 }
@@ -206,14 +236,13 @@ impl NcclBackend {
         lib.check(unsafe { (lib.comm_init_rank)(&mut comm, world as c_int, id, rank as c_int) }, "ncclCommInitRank")?;
         Ok(NcclBackend {
             lib,
-            comm,
+            comm: Arc::new(Handle(std::sync::RwLock::new(Some(comm as usize)))),
             stream,
             rank,
             world,
             device,
             timeout,
             poison: Arc::new(Mutex::new(None)),
-            aborted: Arc::new(AtomicBool::new(false)),
             sent: AtomicU64::new(0),
             calls: Default::default(),
         })
@@ -253,20 +282,27 @@ impl NcclBackend {
         op: OpKind,
         bytes: u64,
         keep: Vec<Tensor>,
-        launch: impl FnOnce(Stream) -> c_int,
+        launch: impl FnOnce(Comm, Stream) -> c_int,
         what: &str,
     ) -> CommResult<Pending> {
         if let Some(e) = super::relock(&self.poison).clone() {
             return Err(e);
         }
         let lib = self.lib;
+        // Events and the legacy stream belong to the calling thread's current device.
+        cuda(unsafe { (lib.set_device)(self.device as c_int) }, "cudaSetDevice")?;
+        let guard = self.comm.0.read().unwrap_or_else(|p| p.into_inner());
+        let Some(comm) = guard.map(|c| c as Comm) else {
+            return Err(CommError::Io(format!("{what}: the NCCL communicator was aborted")));
+        };
         let mut ready: Event = std::ptr::null_mut();
         cuda(unsafe { (lib.event_create)(&mut ready, 2) }, "cudaEventCreateWithFlags")?; // no timing
                                                                                          // The legacy default stream (0): where libtorch put the kernels that made the input.
         cuda(unsafe { (lib.event_record)(ready, std::ptr::null_mut()) }, "cudaEventRecord")?;
         cuda(unsafe { (lib.stream_wait_event)(self.stream, ready, 0) }, "cudaStreamWaitEvent")?;
         unsafe { (lib.event_destroy)(ready) };
-        lib.check(launch(self.stream), what)?;
+        lib.check(launch(comm, self.stream), what)?;
+        drop(guard);
         let mut done: Event = std::ptr::null_mut();
         cuda(unsafe { (lib.event_create)(&mut done, 2) }, "cudaEventCreateWithFlags")?;
         cuda(unsafe { (lib.event_record)(done, self.stream) }, "cudaEventRecord")?;
@@ -275,13 +311,13 @@ impl NcclBackend {
         Ok(Pending::in_flight(Running {
             lib,
             done,
-            comm: self.comm,
+            comm: self.comm.clone(),
             keep,
             deadline: Instant::now() + self.timeout,
             timeout: self.timeout,
             poison: self.poison.clone(),
-            aborted: self.aborted.clone(),
             what: what.to_string(),
+            finished: false,
         }))
     }
 }
@@ -290,15 +326,16 @@ impl NcclBackend {
 struct Running {
     lib: &'static Lib,
     done: Event,
-    comm: Comm,
+    comm: Arc<Handle>,
     /// The tensors it reads and writes, alive until it finished.
     #[allow(dead_code)]
     keep: Vec<Tensor>,
     deadline: Instant,
     timeout: Duration,
     poison: Arc<Mutex<Option<CommError>>>,
-    aborted: Arc<AtomicBool>,
     what: String,
+    /// Waited for (the event is destroyed then).
+    finished: bool,
 }
 
 unsafe impl Send for Running {}
@@ -308,39 +345,72 @@ impl InFlight for Running {
     fn is_done(&self) -> bool {
         unsafe { (self.lib.event_query)(self.done) != 600 } // cudaErrorNotReady
     }
-    fn wait(self: Box<Self>) -> CommResult<()> {
-        let fail = |e: CommError| {
-            if !self.aborted.swap(true, Ordering::SeqCst) {
-                unsafe { (self.lib.comm_abort)(self.comm) };
-            }
-            super::relock(&self.poison).get_or_insert(e).clone()
+    fn wait(mut self: Box<Self>) -> CommResult<()> {
+        self.finish()
+    }
+}
+
+impl Running {
+    /// Poll until the operation finished, failed, or ran out of time (then abort the communicator).
+    fn finish(&mut self) -> CommResult<()> {
+        if self.finished {
+            return Ok(());
+        }
+        let fail = |me: &Self, e: CommError| {
+            me.comm.end(me.lib, false);
+            super::relock(&me.poison).get_or_insert(e).clone()
         };
+        let mut spins = 0u32;
         let r = loop {
-            match unsafe { (self.lib.event_query)(self.done) } {
-                0 => break Ok(()),
-                600 => {}
-                e => break Err(fail(CommError::Io(format!("{}: CUDA error {e} while waiting", self.what)))),
-            }
-            let mut async_err = 0;
-            unsafe { (self.lib.comm_get_async_error)(self.comm, &mut async_err) };
-            if async_err != 0 {
-                let msg = unsafe { CStr::from_ptr((self.lib.error_string)(async_err)) }.to_string_lossy().into_owned();
-                break Err(fail(CommError::Io(format!("{}: NCCL reported {msg} (a peer failed?)", self.what))));
-            }
+            // A poisoned group first: an aborted kernel's event completes too, on half-done data.
             if let Some(e) = super::relock(&self.poison).clone() {
                 break Err(e);
             }
-            if Instant::now() > self.deadline {
-                break Err(fail(CommError::Io(format!(
-                    "{}: not finished within the group's timeout ({:?}); NCCL communicator aborted (a rank died, \
-                     or the ranks called different collectives?)",
-                    self.what, self.timeout
-                ))));
+            match unsafe { (self.lib.event_query)(self.done) } {
+                0 => break Ok(()),
+                600 => {}
+                e => break Err(fail(self, CommError::Io(format!("{}: CUDA error {e} while waiting", self.what)))),
             }
-            std::thread::sleep(Duration::from_micros(50));
+            let mut async_err = 0;
+            match self.comm.get() {
+                Some(c) => unsafe {
+                    (self.lib.comm_get_async_error)(c, &mut async_err);
+                },
+                None => break Err(CommError::Io(format!("{}: the NCCL communicator was aborted", self.what))),
+            }
+            if async_err != 0 {
+                let msg = unsafe { CStr::from_ptr((self.lib.error_string)(async_err)) }.to_string_lossy().into_owned();
+                break Err(fail(self, CommError::Io(format!("{}: NCCL reported {msg} (a peer failed?)", self.what))));
+            }
+            if Instant::now() > self.deadline {
+                break Err(fail(
+                    self,
+                    CommError::Io(format!(
+                        "{}: not finished within the group's timeout ({:?}); NCCL communicator aborted (a rank died, \
+                         or the ranks called different collectives?)",
+                        self.what, self.timeout
+                    )),
+                ));
+            }
+            // Spin briefly (most operations finish within microseconds of their kernel), then sleep.
+            spins += 1;
+            if spins < 200 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
         };
         unsafe { (self.lib.event_destroy)(self.done) };
+        self.finished = true;
         r
+    }
+}
+
+impl Drop for Running {
+    /// A `Work` dropped without `wait`: the kernel may still read or write the tensors, so they
+    /// stay alive until it finished (or the communicator is aborted).
+    fn drop(&mut self) {
+        let _ = self.finish();
     }
 }
 
@@ -374,43 +444,43 @@ impl CommBackend for NcclBackend {
     fn barrier(&self) -> CommResult<Pending> {
         // A one-element all-reduce on the device, as torch's NCCL barrier does.
         let t = Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cuda(self.device)));
-        let (comm, p) = (self.comm, t.data_ptr());
+        let p = t.data_ptr();
         let f = self.lib.all_reduce;
-        self.enqueue(OpKind::Barrier, 0, vec![t], |s| unsafe { f(p, p, 1, 7, 0, comm, s) }, "barrier")
+        self.enqueue(OpKind::Barrier, 0, vec![t], |comm, s| unsafe { f(p, p, 1, 7, 0, comm, s) }, "barrier")
     }
     fn send(&self, t: &Tensor, dst: usize) -> CommResult<Pending> {
         let (d, n) = self.check_tensor(t, "send")?;
-        let (comm, p, f) = (self.comm, t.data_ptr(), self.lib.send);
+        let (p, f) = (t.data_ptr(), self.lib.send);
         let bytes = (n * d.size()) as u64;
         self.enqueue(
             OpKind::P2p,
             bytes,
             vec![t.shallow_clone()],
-            |s| unsafe { f(p, n, nccl_type(d), dst as c_int, comm, s) },
+            |comm, s| unsafe { f(p, n, nccl_type(d), dst as c_int, comm, s) },
             "send",
         )
     }
     fn recv(&self, t: &mut Tensor, src: usize) -> CommResult<Pending> {
         let (d, n) = self.check_tensor(t, "recv")?;
-        let (comm, p, f) = (self.comm, t.data_ptr(), self.lib.recv);
+        let (p, f) = (t.data_ptr(), self.lib.recv);
         self.enqueue(
             OpKind::P2p,
             0,
             vec![t.shallow_clone()],
-            |s| unsafe { f(p, n, nccl_type(d), src as c_int, comm, s) },
+            |comm, s| unsafe { f(p, n, nccl_type(d), src as c_int, comm, s) },
             "recv",
         )
     }
     fn broadcast(&self, t: &mut Tensor, root: usize, algo: Algo) -> CommResult<Pending> {
         self.no_algo("broadcast", algo)?;
         let (d, n) = self.check_tensor(t, "broadcast")?;
-        let (comm, p, f) = (self.comm, t.data_ptr(), self.lib.broadcast);
+        let (p, f) = (t.data_ptr(), self.lib.broadcast);
         let bytes = if root == self.rank { (n * d.size()) as u64 } else { 0 };
         self.enqueue(
             OpKind::Broadcast,
             bytes,
             vec![t.shallow_clone()],
-            |s| unsafe { f(p, p, n, nccl_type(d), root as c_int, comm, s) },
+            |comm, s| unsafe { f(p, p, n, nccl_type(d), root as c_int, comm, s) },
             "broadcast",
         )
     }
@@ -420,14 +490,14 @@ impl CommBackend for NcclBackend {
         if op == ReduceOp::Avg && d == DType::I64 {
             return Err(CommError::InvalidArgument("all_reduce: Avg needs a floating-point dtype".into()));
         }
-        let (comm, p, f) = (self.comm, t.data_ptr(), self.lib.all_reduce);
+        let (p, f) = (t.data_ptr(), self.lib.all_reduce);
         // A ring all-reduce sends 2(N−1)/N of the buffer per rank.
         let bytes = (2 * (self.world - 1) * n * d.size() / self.world.max(1)) as u64;
         self.enqueue(
             OpKind::AllReduce,
             bytes,
             vec![t.shallow_clone()],
-            |s| unsafe { f(p, p, n, nccl_type(d), nccl_op(op), comm, s) },
+            |comm, s| unsafe { f(p, p, n, nccl_type(d), nccl_op(op), comm, s) },
             "all_reduce",
         )
     }
@@ -440,13 +510,13 @@ impl CommBackend for NcclBackend {
                 "all_gather: the output must have world_size × {n} elements of the input's dtype (got {m} of {d2:?})"
             )));
         }
-        let (comm, i, o, f) = (self.comm, input.data_ptr(), out.data_ptr(), self.lib.all_gather);
+        let (i, o, f) = (input.data_ptr(), out.data_ptr(), self.lib.all_gather);
         let bytes = ((self.world - 1) * n * d.size()) as u64;
         self.enqueue(
             OpKind::AllGather,
             bytes,
             vec![input.shallow_clone(), out.shallow_clone()],
-            |s| unsafe { f(i, o, n, nccl_type(d), comm, s) },
+            |comm, s| unsafe { f(i, o, n, nccl_type(d), comm, s) },
             "all_gather",
         )
     }
@@ -459,13 +529,13 @@ impl CommBackend for NcclBackend {
                 "reduce_scatter: the input must have world_size × {m} elements of the output's dtype (got {n} of {d:?})"
             )));
         }
-        let (comm, i, o, f) = (self.comm, input.data_ptr(), out.data_ptr(), self.lib.reduce_scatter);
+        let (i, o, f) = (input.data_ptr(), out.data_ptr(), self.lib.reduce_scatter);
         let bytes = ((self.world - 1) * m * d.size()) as u64;
         self.enqueue(
             OpKind::ReduceScatter,
             bytes,
             vec![input.shallow_clone(), out.shallow_clone()],
-            |s| unsafe { f(i, o, m, nccl_type(d), nccl_op(op), comm, s) },
+            |comm, s| unsafe { f(i, o, m, nccl_type(d), nccl_op(op), comm, s) },
             "reduce_scatter",
         )
     }
@@ -477,13 +547,16 @@ impl CommBackend for NcclBackend {
     }
     fn abort(&self, err: &CommError) {
         super::relock(&self.poison).get_or_insert_with(|| err.clone());
-        if !self.aborted.swap(true, Ordering::SeqCst) {
-            unsafe { (self.lib.comm_abort)(self.comm) };
-        }
+        // Local only: NCCL has no message to its peers; their operations fail on NCCL's own
+        // error or on the group's timeout.
+        self.comm.end(self.lib, false);
     }
     fn leave(&self) {
-        if !self.aborted.swap(true, Ordering::SeqCst) {
-            unsafe { (self.lib.comm_destroy)(self.comm) };
+        // ncclCommDestroy synchronises with the peers' destroys: only a healthy group does it.
+        if super::relock(&self.poison).is_some() {
+            self.comm.end(self.lib, false);
+        } else {
+            self.comm.end(self.lib, true);
         }
     }
 }

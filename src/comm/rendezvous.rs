@@ -71,7 +71,20 @@ impl TcpInit {
             rank,
             world_size,
             master_addr,
-            master_port: var(&["MASTER_PORT"], Some(29500))?,
+            // torchrun's agent already hosts its own store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE):
+            // ours then listens one port up (or on SHARDLAB_STORE_PORT), the same on every rank.
+            master_port: match (
+                std::env::var("SHARDLAB_STORE_PORT").ok(),
+                std::env::var("TORCHELASTIC_USE_AGENT_STORE"),
+            ) {
+                (Some(_), _) => var(&["SHARDLAB_STORE_PORT"], None)?,
+                (None, Ok(v)) if v.eq_ignore_ascii_case("true") => {
+                    var::<u16>(&["MASTER_PORT"], Some(29500))?.checked_add(1).ok_or_else(|| {
+                        CommError::InvalidArgument("MASTER_PORT 65535 leaves no port for our store".into())
+                    })?
+                }
+                _ => var(&["MASTER_PORT"], Some(29500))?,
+            },
             local_rank: var(&["LOCAL_RANK", "SLURM_LOCALID"], Some(rank))?,
             local_world_size: var(&["LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"], Some(world_size))?,
         })
@@ -181,6 +194,13 @@ impl ProcessGroup {
             ));
         }
         let lib = super::nccl::Lib::get()?;
+        if init.local_world_size > gpus {
+            return Err(CommError::InvalidArgument(format!(
+                "the nccl backend runs one rank per GPU: {} ranks on this machine, {gpus} GPU(s) (NCCL refuses two \
+                 ranks on one device; the tcp backend lets ranks share a GPU)",
+                init.local_world_size
+            )));
+        }
         let device = init.local_rank % gpus;
         let secret = auth::job_secret(&cfg, rank, &init.master_addr, init.master_port)?;
         cfg.secret = Some(secret.clone());

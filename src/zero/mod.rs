@@ -221,7 +221,7 @@ impl<'a> Zero<'a> {
                 full,
                 shard,
                 grad_full: None,
-                decay_mask: Tensor::from_slice(&mask),
+                decay_mask: Tensor::from_slice(&mask).to_device(device),
                 done_stage,
                 is_root,
             });
