@@ -137,19 +137,13 @@ impl Reader {
     /// Elements `src..src + len` of tensor `key`.
     pub fn read(&mut self, key: &str, src: i64, len: i64) -> anyhow::Result<Vec<f32>> {
         let mut v = vec![0f32; len.max(0) as usize];
-        self.read_into(key, src, &mut v, None)?;
+        self.read_into(key, src, &mut v)?;
         Ok(v)
     }
 
     /// Elements `src..src + dst.len()` of `key` into `dst`, through a 1 MiB buffer (no copy of
-    /// the whole range in memory); `hash` sees the bytes read.
-    pub fn read_into(
-        &mut self,
-        key: &str,
-        src: i64,
-        dst: &mut [f32],
-        mut hash: Option<&mut Sha256>,
-    ) -> anyhow::Result<()> {
+    /// the whole range in memory).
+    pub fn read_into(&mut self, key: &str, src: i64, dst: &mut [f32]) -> anyhow::Result<()> {
         let Some(&(b, e)) = self.entries.get(key) else { bail!("{}: no tensor {key} in this rank file", self.path) };
         let len = dst.len() as i64;
         let (lo, hi) = (b + 4 * src as u64, b + 4 * (src + len) as u64);
@@ -159,9 +153,6 @@ impl Reader {
         for out in dst.chunks_mut(buf.len().max(4) / 4) {
             let bytes = &mut buf[..4 * out.len()];
             self.file.read_exact(bytes).with_context(|| format!("reading {key} from {}", self.path))?;
-            if let Some(h) = hash.as_deref_mut() {
-                h.update(&*bytes);
-            }
             for (x, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                 *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
@@ -214,15 +205,14 @@ impl Reader {
     pub fn read_checked_into(&mut self, key: &str, sha256: &str, dst: &mut [f32]) -> anyhow::Result<()> {
         let n = self.numel(key).with_context(|| format!("{}: no tensor {key}", self.path))?;
         ensure!(dst.len() as i64 == n, "{}: {key} has {n} elements, not {}", self.path, dst.len());
-        let mut h = Sha256::new();
-        self.read_into(key, 0, dst, Some(&mut h))?;
-        let got: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
-        ensure!(
-            got == sha256,
-            "{}: {key} does not match its checksum (sha256 {got}, the metadata says {sha256}): the file is corrupt",
-            self.path
-        );
-        Ok(())
+        let mut at = 0;
+        self.stream_checked(key, sha256, |bytes| {
+            for (x, c) in dst[at..].iter_mut().zip(bytes.chunks_exact(4)) {
+                *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            at += bytes.len() / 4;
+            Ok(())
+        })
     }
 
     /// Elements of `key` in the file.

@@ -91,6 +91,35 @@ impl TcpInit {
     }
 }
 
+/// The rendezvous the tcp and nccl backends share: check the rank, settle the job's secret (into
+/// `cfg`), host the store on rank 0, connect to it, and refuse two processes claiming one rank.
+fn join_store(init: &TcpInit, cfg: &mut CommConfig) -> CommResult<(Option<StoreServer>, StoreClient)> {
+    let (rank, n) = (init.rank, init.world_size);
+    if n == 0 {
+        return Err(CommError::InvalidArgument("WORLD_SIZE must be at least 1".into()));
+    }
+    if rank >= n {
+        return Err(CommError::InvalidArgument(format!("RANK {rank} is out of range for WORLD_SIZE {n}")));
+    }
+    cfg.validate()?;
+    let secret = auth::job_secret(cfg, rank, &init.master_addr, init.master_port)?;
+    cfg.secret = Some(secret.clone());
+    let master = format!("{}:{}", init.master_addr, init.master_port);
+    let server = if rank == 0 {
+        let ip: std::net::IpAddr = cfg.store_bind.parse().map_err(|_| {
+            CommError::InvalidArgument(format!("SHARDLAB_STORE_BIND {:?} is not an IP address", cfg.store_bind))
+        })?;
+        Some(StoreServer::bind(std::net::SocketAddr::new(ip, init.master_port), &cfg.job_id, &secret)?)
+    } else {
+        None
+    };
+    let mut client = StoreClient::connect(&master, &cfg.job_id, &secret, cfg.rendezvous_timeout)?;
+    if client.add(&format!("joined/{rank}"), 1)? > 1 {
+        return Err(CommError::Rendezvous(format!("two processes joined as RANK {rank}")));
+    }
+    Ok((server, client))
+}
+
 /// The first host of a Slurm node list: `gpu[07-09,12],cpu1` → `gpu07`, `a[1-2]-ib` → `a1-ib`,
 /// `n1,n2` → `n1` (what `scontrol show hostnames | head -1` prints). `None` for an empty list.
 pub fn first_host(nodelist: &str) -> Option<String> {
@@ -141,28 +170,7 @@ impl ProcessGroup {
     /// to it, publishes its data address and connects to every other rank.
     pub fn init_tcp(init: &TcpInit, mut cfg: CommConfig) -> CommResult<ProcessGroup> {
         let (rank, n) = (init.rank, init.world_size);
-        if n == 0 {
-            return Err(CommError::InvalidArgument("WORLD_SIZE must be at least 1".into()));
-        }
-        if rank >= n {
-            return Err(CommError::InvalidArgument(format!("RANK {rank} is out of range for WORLD_SIZE {n}")));
-        }
-        cfg.validate()?;
-        let secret = auth::job_secret(&cfg, rank, &init.master_addr, init.master_port)?;
-        cfg.secret = Some(secret.clone());
-        let master = format!("{}:{}", init.master_addr, init.master_port);
-        let server = if rank == 0 {
-            let ip: std::net::IpAddr = cfg.store_bind.parse().map_err(|_| {
-                CommError::InvalidArgument(format!("SHARDLAB_STORE_BIND {:?} is not an IP address", cfg.store_bind))
-            })?;
-            Some(StoreServer::bind(std::net::SocketAddr::new(ip, init.master_port), &cfg.job_id, &secret)?)
-        } else {
-            None
-        };
-        let mut client = StoreClient::connect(&master, &cfg.job_id, &secret, cfg.rendezvous_timeout)?;
-        if client.add(&format!("joined/{rank}"), 1)? > 1 {
-            return Err(CommError::Rendezvous(format!("two processes joined as RANK {rank}")));
-        }
+        let (server, mut client) = join_store(init, &mut cfg)?;
         let ip = client.local_ip()?;
         let t = TcpTransport::connect(rank, n, &mut client, ip, &cfg)?;
         let host = Arc::new(HostBackend::new(Box::new(t), &cfg));
@@ -183,10 +191,6 @@ impl ProcessGroup {
     /// `ncclCommInitRank` on `cuda:LOCAL_RANK` (modulo the GPUs this process sees).
     pub fn init_nccl(init: &TcpInit, mut cfg: CommConfig) -> CommResult<ProcessGroup> {
         let (rank, n) = (init.rank, init.world_size);
-        if n == 0 || rank >= n {
-            return Err(CommError::InvalidArgument(format!("RANK {rank} is out of range for WORLD_SIZE {n}")));
-        }
-        cfg.validate()?;
         let gpus = crate::device::cuda_devices();
         if gpus == 0 {
             return Err(CommError::InvalidArgument(
@@ -202,21 +206,7 @@ impl ProcessGroup {
             )));
         }
         let device = init.local_rank % gpus;
-        let secret = auth::job_secret(&cfg, rank, &init.master_addr, init.master_port)?;
-        cfg.secret = Some(secret.clone());
-        let master = format!("{}:{}", init.master_addr, init.master_port);
-        let server = if rank == 0 {
-            let ip: std::net::IpAddr = cfg.store_bind.parse().map_err(|_| {
-                CommError::InvalidArgument(format!("SHARDLAB_STORE_BIND {:?} is not an IP address", cfg.store_bind))
-            })?;
-            Some(StoreServer::bind(std::net::SocketAddr::new(ip, init.master_port), &cfg.job_id, &secret)?)
-        } else {
-            None
-        };
-        let mut client = StoreClient::connect(&master, &cfg.job_id, &secret, cfg.rendezvous_timeout)?;
-        if client.add(&format!("joined/{rank}"), 1)? > 1 {
-            return Err(CommError::Rendezvous(format!("two processes joined as RANK {rank}")));
-        }
+        let (server, mut client) = join_store(init, &mut cfg)?;
         if rank == 0 {
             client.set("nccl/id", &lib.unique_id()?.0)?;
         }
