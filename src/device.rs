@@ -47,6 +47,62 @@ pub fn resolve(choice: DeviceChoice, local_rank: usize) -> anyhow::Result<Device
     }
 }
 
+/// A GPU as the CUDA runtime reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaInfo {
+    /// `cudaDeviceProp::name`, e.g. "NVIDIA H200".
+    pub name: String,
+    /// `cudaMemGetInfo`: bytes in use on the whole device (every process: CUDA contexts, the
+    /// caching allocators' reserved blocks — what nvidia-smi shows) and its capacity.
+    pub used_bytes: u64,
+    pub total_bytes: u64,
+}
+
+type CudaFn<A, B> = unsafe extern "C" fn(A, B) -> i32;
+
+/// Name and memory of GPU `index`, from the CUDA runtime that libtorch_cuda loaded (dlopen'ed by
+/// name; `None` where there is no CUDA runtime or no such device). Memory is device-wide: ranks
+/// sharing a GPU see each other's bytes; the per-rank model-state bytes are
+/// [`MemoryStats`](crate::memory::MemoryStats), measured from the tensors a rank holds.
+pub fn cuda_info(index: usize) -> Option<CudaInfo> {
+    if index >= cuda_devices() {
+        return None;
+    }
+    let lib = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"].iter().find_map(|n| {
+        let c = std::ffi::CString::new(*n).ok()?;
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        let h = if h.is_null() { unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) } } else { h };
+        (!h.is_null()).then_some(h)
+    })?;
+    let sym = |name: &str| {
+        let c = std::ffi::CString::new(name).expect("symbol name");
+        let p = unsafe { libc::dlsym(lib, c.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    };
+    // SAFETY: the CUDA runtime's C signatures: cudaGetDeviceProperties(cudaDeviceProp*, int) (its
+    // struct begins with char name[256]; the buffer is larger than any version of the struct),
+    // cudaMemGetInfo(size_t* free, size_t* total) on the current device, cudaSetDevice(int).
+    unsafe {
+        let props: CudaFn<*mut u8, i32> =
+            std::mem::transmute(sym("cudaGetDeviceProperties_v2").or_else(|| sym("cudaGetDeviceProperties"))?);
+        let set_device: unsafe extern "C" fn(i32) -> i32 = std::mem::transmute(sym("cudaSetDevice")?);
+        let mem_info: CudaFn<*mut usize, *mut usize> = std::mem::transmute(sym("cudaMemGetInfo")?);
+        let mut buf = vec![0u8; 1 << 14];
+        if props(buf.as_mut_ptr(), index as i32) != 0 {
+            return None;
+        }
+        let name = std::ffi::CStr::from_bytes_until_nul(&buf[..256]).ok()?.to_string_lossy().into_owned();
+        if set_device(index as i32) != 0 {
+            return None;
+        }
+        let (mut free, mut total) = (0usize, 0usize);
+        if mem_info(&mut free, &mut total) != 0 {
+            return None;
+        }
+        Some(CudaInfo { name, used_bytes: (total - free) as u64, total_bytes: total as u64 })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -57,6 +113,7 @@ mod tests {
         if cuda_devices() == 0 {
             eprintln!("skipped the CUDA half: no CUDA device");
             assert_eq!(resolve(DeviceChoice::Auto, 0).unwrap(), Device::Cpu);
+            assert_eq!(cuda_info(0), None);
             let e = resolve(DeviceChoice::Cuda, 0).unwrap_err().to_string();
             assert!(e.contains("no CUDA device") && e.contains("libtorch_cuda.so"), "{e}");
         } else {

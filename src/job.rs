@@ -108,6 +108,9 @@ pub struct RunSummary {
     /// Peak resident set size of rank 0's process during the training steps (meaningful when
     /// ranks are processes).
     pub peak_rss_bytes: Option<u64>,
+    /// On a GPU: rank 0's device (name, bytes in use on it, capacity) after the last step.
+    #[serde(default)]
+    pub cuda: Option<crate::device::CudaInfo>,
     /// The compute precision, and the steps fp16's loss scaler skipped.
     #[serde(default)]
     pub precision: crate::precision::Precision,
@@ -284,6 +287,10 @@ impl GptJob {
             ddp: st,
             bytes_sent_per_step: sent_per_step,
             peak_rss_bytes: crate::bench::peak_rss_bytes(),
+            cuda: match ctx.device()? {
+                tch::Device::Cuda(i) => crate::device::cuda_info(i),
+                _ => None,
+            },
             checkpoint_save_s: save_s,
             checkpoint_bytes_written: save_bytes,
             resume_load_s: load_s,
@@ -513,6 +520,9 @@ pub struct OneRun {
     pub precision: crate::precision::Precision,
     #[serde(default)]
     pub reduce_dtype: crate::precision::Precision,
+    /// ZeRO/FSDP CPU offload (lesson 11).
+    #[serde(default)]
+    pub offload: bool,
 }
 
 fn yes() -> bool {
@@ -536,6 +546,7 @@ pub fn run_one_if_asked() {
         s.reshard_after_forward = r.reshard_after_forward;
         s.precision = r.precision;
         s.reduce_dtype = r.reduce_dtype;
+        s.offload = r.offload;
         let out = r.job.fit(s, false, false)?;
         println!("{}", serde_json::to_string(&out)?);
         Ok(())

@@ -152,10 +152,15 @@ pub struct MemoryStats {
     /// Largest amount of transient buffers alive at once (stage 3's gathered units, stages 2–3's
     /// full flat gradients; stage 1 keeps its full gradients and counts them in `grads`).
     pub peak_transient: u64,
+    /// Model states kept in host memory by CPU offload ([`Zero::offload`](crate::zero::Zero::offload)):
+    /// f32 master shards, their gradient shards, optimizer state. Not in `params`, `grads` or
+    /// `optim`, which count what is on the training device.
+    #[serde(default)]
+    pub offloaded: u64,
 }
 
 impl MemoryStats {
-    /// Model states: params + grads + optimizer.
+    /// Model states on the training device: params + grads + optimizer (offloaded state apart).
     pub fn model_states(&self) -> u64 {
         self.params + self.grads + self.optim
     }

@@ -25,6 +25,12 @@ pub struct DdpStats {
     pub gather_s: f64,
     #[serde(default)]
     pub gather_exposed_s: f64,
+    /// CPU offload ([`Zero::offload`](crate::zero::Zero::offload)): bytes copied device → host
+    /// (gradient shards) and host → device (updated parameter shards, in the compute kind).
+    #[serde(default)]
+    pub d2h_bytes: u64,
+    #[serde(default)]
+    pub h2d_bytes: u64,
 }
 
 impl DdpStats {

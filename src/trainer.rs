@@ -120,6 +120,10 @@ pub struct ScalingConfig {
     pub precision: Precision,
     /// ZeRO/FSDP: the precision gradients are reduced in ([`Zero::reduce_dtype`](crate::zero::Zero::reduce_dtype)); default fp32.
     pub reduce_dtype: Precision,
+    /// ZeRO/FSDP: CPU offload of the master shards and the optimizer (see
+    /// [`Zero::offload`](crate::zero::Zero::offload)); default off.
+    #[serde(default)]
+    pub offload: bool,
     pub comm: CommConfig,
     /// Arguments for re-executed worker processes (tests pass `--exact NAME`); default: ours.
     pub child_args: Option<Vec<String>>,
@@ -142,6 +146,7 @@ impl Default for ScalingConfig {
             activation_checkpointing: Checkpointing::None,
             precision: Precision::Fp32,
             reduce_dtype: Precision::Fp32,
+            offload: false,
             comm: CommConfig::default(),
             child_args: None,
         }
@@ -192,13 +197,19 @@ impl<'a> TrainContext<'a> {
             "reduce_dtype fp16 needs fp16 compute, whose loss scaler keeps the gradients inside fp16's range; \
              with {precision:?} compute reduce in fp32 or bf16"
         );
+        anyhow::ensure!(
+            !self.scaling.offload || self.scaling.strategy.zero_stage().is_some(),
+            "CPU offload moves ZeRO/FSDP's master shards and optimizer to the host; {:?} has none (use zero1-3 or fsdp)",
+            self.scaling.strategy
+        );
         let mut dp: Box<dyn DataParallel + 'a> = match (self.scaling.strategy, self.scaling.strategy.zero_stage()) {
             (Strategy::Single, _) => Box::new(ddp::Single::new(self.pg, model)?),
             (Strategy::Ddp, _) => ddp::wrap(self.pg, model, self.scaling.variant, self.scaling.bucket_cap_bytes)?,
             (_, Some(stage)) => Box::new(
                 crate::zero::Zero::with_blocks_per_unit(self.pg, model, stage, self.scaling.blocks_per_unit)?
                     .reshard_after_forward(self.scaling.reshard_after_forward)
-                    .reduce_dtype(self.scaling.reduce_dtype),
+                    .reduce_dtype(self.scaling.reduce_dtype)
+                    .offload(self.scaling.offload),
             ),
             (s, None) => anyhow::bail!("strategy {s:?} has no wrapper"),
         };

@@ -278,3 +278,70 @@ fn held_bytes_counts_each_byte_once() {
         "undefined and empty hold nothing"
     );
 }
+
+/// CPU offload (lesson 11) changes where the master shards, their gradients and AdamW's state
+/// live, not the arithmetic: for every stage, in fp32 and bf16, offloaded training ends with
+/// bitwise the parameters of the same run without offload. What stays on the device is measured
+/// from the tensors held: for ZeRO-2 in bf16, the working parameters (2Ψ) and nothing else between
+/// steps, with the masters, gradient shards and AdamW state (16Ψ/N) in host memory; and the bytes
+/// copied each way per step are the shards' (down: f32 gradient shards, 4Ψ/N; up: bf16 parameter
+/// shards, 2Ψ/N — ZeRO-3 copies a shard up for each of its gathers instead).
+#[test]
+fn offload_keeps_the_arithmetic_and_moves_the_model_states_to_the_host() {
+    use shardlab::precision::Precision;
+    let cfg = GptConfig { n_layer: 4, ..GptConfig::tiny() };
+    let steps = 3u64;
+    let out = spawn(2, Backend::Local, move |pg| {
+        let mut v = Vec::new();
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            for st in [Stage::One, Stage::Two, Stage::Three] {
+                let mut per = Vec::new();
+                for offload in [false, true] {
+                    let mut model = Gpt::new(cfg, 3)?;
+                    model.set_precision(precision)?;
+                    let mut opt = AdamW::new(opt_cfg());
+                    let mut z = Zero::new(pg, Box::new(model), st)?.offload(offload);
+                    let s = DistributedSampler::new(16, 8, pg.rank(), 2, 1)?;
+                    for step in 0..steps {
+                        ddp::train_step(&mut z, &mut opt, &s.batch(&corpus(), step), 1, StepConfig::lr(1e-3))?;
+                    }
+                    per.push((flat(&z.full_parameters()?), z.memory(&opt), z.stats()));
+                }
+                v.push((precision, st, per));
+            }
+        }
+        Ok(v)
+    })
+    .unwrap();
+    let psi = cfg.num_params() as f64;
+    let units = 1.0 + cfg.n_layer as f64;
+    let close = |got: u64, want: f64, what: &str| {
+        // Up to padding: each unit pads by fewer than N = 2 elements of at most 4 bytes.
+        assert!((got as f64 - want).abs() <= units * 8.0, "{what}: {got} bytes, the model says {want}");
+    };
+    for (rank, runs) in out.into_iter().enumerate() {
+        for (precision, st, per) in runs {
+            let what = format!("rank {rank} {st:?} {}", precision.name());
+            let ((plain, m0, s0), (off, m1, s1)) = (&per[0], &per[1]);
+            assert!(plain == off, "{what}: offload changed the parameters");
+            assert_eq!(m0.offloaded, 0, "{what}: nothing is offloaded without offload");
+            assert_eq!(m1.optim, 0, "{what}: AdamW's state must live in host memory");
+            close(m1.offloaded, 16.0 * psi / 2.0, &format!("{what}: masters + gradient shards + AdamW in host memory"));
+            assert_eq!((s0.d2h_bytes, s0.h2d_bytes), (0, 0), "{what}: no copies without offload");
+            close(s1.d2h_bytes / steps, 4.0 * psi / 2.0, &format!("{what}: gradient shards copied down per step"));
+            let elt = if precision == Precision::Bf16 { 2.0 } else { 4.0 };
+            if st == Stage::Three {
+                // One copy up per gather: the root once per step, each block twice (forward and
+                // backward with resharding), and the step's end gathers nothing.
+                assert!(s1.h2d_bytes > 0, "{what}: shards copied up for the gathers");
+            } else {
+                close(s1.h2d_bytes / steps, elt * psi / 2.0, &format!("{what}: parameter shards copied up per step"));
+                // The device keeps only the working parameters between steps.
+                close(m1.params, elt * psi, &format!("{what}: working parameters on the device"));
+                if st == Stage::Two {
+                    assert_eq!(m1.grads, 0, "{what}: no gradient kept on the device between steps");
+                }
+            }
+        }
+    }
+}

@@ -97,6 +97,7 @@ fn main() -> anyhow::Result<()> {
             reshard_after_forward: true,
             precision: shardlab::precision::Precision::Fp32,
             reduce_dtype: shardlab::precision::Precision::Fp32,
+            offload: false,
         })?;
         let name = format!("{strategy:?}").to_lowercase();
         let exposed_ms = r.exposed_comm_s / a.steps as f64 * 1e3;

@@ -77,6 +77,7 @@ fn main() -> anyhow::Result<()> {
         reshard_after_forward: true,
         precision: shardlab::precision::Precision::Fp32,
         reduce_dtype: shardlab::precision::Precision::Fp32,
+        offload: false,
     };
     let sizes: Vec<usize> = cfg.param_shapes().iter().map(|(_, s)| 4 * s.iter().product::<i64>() as usize).collect();
     let mut rows = Vec::new();

@@ -59,6 +59,7 @@ fn main() -> anyhow::Result<()> {
         reshard_after_forward: true,
         precision: shardlab::precision::Precision::Fp32,
         reduce_dtype: shardlab::precision::Precision::Fp32,
+        offload: false,
     };
     let runs: Vec<(Strategy, RunSummary)> = [Strategy::Ddp, Strategy::Zero3]
         .into_iter()

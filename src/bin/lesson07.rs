@@ -87,6 +87,7 @@ fn main() -> anyhow::Result<()> {
             reshard_after_forward: true,
             precision: shardlab::precision::Precision::Fp32,
             reduce_dtype: shardlab::precision::Precision::Fp32,
+            offload: false,
         })?;
         let m = r.memory;
         let rss = r.peak_rss_bytes.unwrap_or(0) as f64;

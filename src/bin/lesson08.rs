@@ -104,6 +104,7 @@ fn main() -> anyhow::Result<()> {
             reshard_after_forward: true,
             precision: p,
             reduce_dtype: reduce,
+            offload: false,
         })
     };
 

@@ -85,6 +85,10 @@ struct Args {
     /// ZeRO/FSDP: the precision gradients are reduced in (fp32, or bf16/fp16: half the bytes).
     #[arg(long, value_enum, default_value = "fp32")]
     reduce_dtype: Precision,
+    /// ZeRO/FSDP: CPU offload (ZeRO-Offload) — f32 master shards and AdamW state in host memory,
+    /// the step on the CPU, gradient shards copied down and parameters copied up (lesson 11).
+    #[arg(long)]
+    offload: bool,
     #[arg(long, default_value_t = 4)]
     n_layer: i64,
     #[arg(long, default_value_t = 4)]
@@ -261,6 +265,7 @@ fn main() -> anyhow::Result<()> {
     scaling.activation_checkpointing = args.activation_checkpointing;
     scaling.precision = args.precision;
     scaling.reduce_dtype = args.reduce_dtype;
+    scaling.offload = args.offload;
     scaling.device = args.device;
     let s = if args.max_restarts > 0 || args.shrink_on_failure {
         let elastic = job::Elastic {
@@ -296,12 +301,17 @@ fn main() -> anyhow::Result<()> {
     }
     // Model FLOPs utilisation, when the device's peak is known (lesson 11).
     let flops_per_token = shardlab::flops::flops_per_token(&args.job().model);
-    let mfu = args.peak_tflops.map(|p| shardlab::flops::mfu(s.tokens_per_s, flops_per_token, s.world_size, p));
+    // The peak: --peak-tflops, or the table's figure for the GPU the run used.
+    let peak = args
+        .peak_tflops
+        .or_else(|| s.cuda.as_ref().and_then(|c| shardlab::flops::peak_tflops(&c.name, args.precision)));
+    let mfu = peak.map(|p| shardlab::flops::mfu(s.tokens_per_s, flops_per_token, s.world_size, p));
     if args.json {
         let mut v = serde_json::to_value(&s)?;
         v["summary"] = json!(true);
         v["flops_per_token"] = json!(flops_per_token);
         v["mfu"] = json!(mfu);
+        v["peak_tflops"] = json!(peak);
         v.as_object_mut().map(|o| o.remove("losses"));
         println!("{v}");
     } else {
@@ -318,7 +328,24 @@ fn main() -> anyhow::Result<()> {
             s.comm_s,
             100.0 * s.hidden_comm_fraction
         );
-        if let (Some(m), Some(p)) = (mfu, args.peak_tflops) {
+        if let Some(c) = &s.cuda {
+            println!(
+                "{}: {:.2} GiB in use on the device after the last step (of {:.0} GiB; cudaMemGetInfo, all processes)",
+                c.name,
+                c.used_bytes as f64 / (1u64 << 30) as f64,
+                c.total_bytes as f64 / (1u64 << 30) as f64
+            );
+        }
+        if s.memory.offloaded > 0 {
+            println!(
+                "offload: model states {:.1} MB on the device, {:.1} MB in host memory; {:.1} MB down, {:.1} MB up per step",
+                s.memory.model_states() as f64 / 1e6,
+                s.memory.offloaded as f64 / 1e6,
+                s.ddp.d2h_bytes as f64 / 1e6 / args.steps.max(1) as f64,
+                s.ddp.h2d_bytes as f64 / 1e6 / args.steps.max(1) as f64
+            );
+        }
+        if let (Some(m), Some(p)) = (mfu, peak) {
             println!(
                 "MFU {:.2}% ({:.3e} model FLOPs per token × {:.0} tokens/s over {} × {p} TFLOP/s)",
                 100.0 * m,

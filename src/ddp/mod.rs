@@ -113,6 +113,7 @@ pub trait DataParallel {
             grads: held_bytes(&grads),
             optim: opt.state_bytes(),
             peak_transient: 0,
+            offloaded: 0,
         }
     }
     /// The optimizer step after the (synchronised) backward: the global L2 norm of the gradients

@@ -129,6 +129,10 @@ struct Core<'a> {
     device: tch::Device,
     /// The kind gradients are accumulated and reduced in (FSDP2's `reduce_dtype`; f32 by default).
     reduce_kind: Kind,
+    /// CPU offload (lesson 11; ZeRO-Offload, FSDP2's `CPUOffloadPolicy`): the f32 master shards,
+    /// their gradient shards and so the optimizer's state live in host memory (pinned when the
+    /// device is a GPU) and the step runs on the CPU. See [`Zero::offload`].
+    offload: bool,
     /// Why a step now would be wrong (the last backward was not synchronised, or failed).
     step_blocked: Option<&'static str>,
     /// Reductions started by this backward, not yet waited for.
@@ -247,6 +251,7 @@ impl<'a> Zero<'a> {
                 param_kind,
                 device,
                 reduce_kind: Kind::Float,
+                offload: false,
                 step_blocked: None,
                 reductions: Vec::new(),
             },
@@ -275,6 +280,53 @@ impl<'a> Zero<'a> {
         self
     }
 
+    /// CPU offload (DeepSpeed's ZeRO-Offload; FSDP2's `CPUOffloadPolicy`): move this rank's f32
+    /// master shards, their gradient shards and the per-element decay masks to host memory —
+    /// pinned when the parameters are on a GPU, so copies to and from it run at full PCIe speed —
+    /// and run the optimizer there (its AdamW state is allocated next to the shards: host memory
+    /// too). The device keeps the working parameters in the compute kind (whole for stages 1–2,
+    /// gathered on demand for stage 3) and the transient flat gradients. Per step, each unit's
+    /// averaged gradient shard is copied down as its reduction finishes (in the reduce kind), and
+    /// the updated shard is cast to the compute kind on the host and copied up before its
+    /// all-gather (stage 3: before every gather). The copies are counted in
+    /// [`DdpStats::d2h_bytes`] / [`DdpStats::h2d_bytes`]; [`MemoryStats::offloaded`] counts the
+    /// host side. The copies are blocking (tch has no streams to overlap them on); the arithmetic
+    /// is the same as without offload. Call it before the first step.
+    pub fn offload(mut self, on: bool) -> Self {
+        let z = &mut self.z;
+        if on == z.offload {
+            return self;
+        }
+        let (device, rank) = (z.device, z.pg.rank());
+        let host = |t: &Tensor| -> Tensor {
+            // A copy of its own, never a view into a device buffer (stages 1-2 in f32 keep the
+            // master as a view of the full parameters).
+            let h = t.to_device(tch::Device::Cpu).copy();
+            if device.is_cuda() {
+                h.pin_memory(device)
+            } else {
+                h
+            }
+        };
+        let back = |t: &Tensor| t.to_device(device).copy();
+        for u in &mut z.units {
+            let move_ = |t: &Tensor| if on { host(t) } else { back(t) };
+            u.shard = move_(&u.shard);
+            u.grad_shard = move_(&u.grad_shard);
+            u.decay_mask = move_(&u.decay_mask);
+        }
+        z.offload = on;
+        if !on && z.stage != Stage::Three && z.param_kind == Kind::Float {
+            // The master is a view of the full parameters again (no second copy on the device).
+            for u in &mut z.units {
+                let r = u.layout.shard_range(rank);
+                let full = u.full.as_ref().expect("stages 1-2 keep full parameters");
+                u.shard = full.narrow(0, r.start, r.end - r.start);
+            }
+        }
+        self
+    }
+
     /// The stage.
     pub fn stage(&self) -> Stage {
         self.z.stage
@@ -296,14 +348,27 @@ impl Core<'_> {
         let kind = self.param_kind;
         let out = Tensor::empty([self.units[u].layout.padded], (kind, self.device));
         self.track(kind.elt_size_in_bytes() as i64 * self.units[u].layout.padded);
-        // (padded,) in the compute kind from N shards (bf16: half the bytes of f32). The shard is
-        // a parameter the optimizer writes only after every gather of the step has been waited
-        // on, so the op may read it through this alias (or a bf16 copy of it).
-        let input =
-            if kind == Kind::Float { self.units[u].shard.shallow_clone() } else { self.units[u].shard.to_kind(kind) };
+        // (padded,) in the compute kind from N shards (bf16: half the bytes of f32).
+        let input = self.shard_for_gather(u);
         let w = self.pg.all_gather_async(out, input)?;
         self.pending.push((u, w));
         Ok(())
+    }
+
+    /// Stage 3: what unit `u`'s all-gather sends — this rank's shard in the compute kind, on the
+    /// device. The shard is a parameter the optimizer writes only after every gather of the step
+    /// has been waited on, so the op may read it through an alias (f32, not offloaded).
+    fn shard_for_gather(&mut self, u: usize) -> Tensor {
+        let (shard, kind) = (&self.units[u].shard, self.param_kind);
+        if self.offload {
+            let t = shard.to_kind(kind).to_device(self.device);
+            self.stats.h2d_bytes += (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+            t
+        } else if kind == Kind::Float {
+            shard.shallow_clone()
+        } else {
+            shard.to_kind(kind)
+        }
     }
 
     fn materialize(&mut self, u: usize) -> CommResult<()> {
@@ -410,13 +475,32 @@ impl DataParallel for Zero<'_> {
     /// Bytes held now (after a step: what is kept between steps), measured from the tensors this
     /// rank keeps: the model's parameters and the units' buffers (full and shard) for parameters,
     /// the flat gradient buffers for gradients; and the transient peak so far.
+    ///
+    /// With [`Zero::offload`], the master shards, gradient shards and optimizer state are in host
+    /// memory: counted in `offloaded`, not in `params`/`grads`/`optim` (which then hold what is on
+    /// the device).
     fn memory(&self, opt: &dyn Optimizer) -> MemoryStats {
         let units = &self.z.units;
-        MemoryStats {
-            params: held_bytes(self.z.params.iter().chain(units.iter().flat_map(|u| u.full.iter().chain([&u.shard])))),
-            grads: held_bytes(units.iter().flat_map(|u| u.grad_full.iter().chain([&u.grad_shard]))),
-            optim: opt.state_bytes(),
-            peak_transient: self.z.peak_transient,
+        let working = || self.z.params.iter().chain(units.iter().flat_map(|u| u.full.iter()));
+        let shards = || units.iter().map(|u| &u.shard);
+        let grad_full = || units.iter().flat_map(|u| u.grad_full.iter());
+        let grad_shards = || units.iter().map(|u| &u.grad_shard);
+        if self.z.offload {
+            MemoryStats {
+                params: held_bytes(working()),
+                grads: held_bytes(grad_full()),
+                optim: 0,
+                offloaded: held_bytes(shards()) + held_bytes(grad_shards()) + opt.state_bytes(),
+                peak_transient: self.z.peak_transient,
+            }
+        } else {
+            MemoryStats {
+                params: held_bytes(working().chain(shards())),
+                grads: held_bytes(grad_full().chain(grad_shards())),
+                optim: opt.state_bytes(),
+                offloaded: 0,
+                peak_transient: self.z.peak_transient,
+            }
         }
     }
 
@@ -542,7 +626,16 @@ impl Core<'_> {
                 // in the unit (the parameters are views of it); nothing reads or writes them until
                 // every gather below has been waited on.
                 // (shard,) in the compute kind: a copy either way.
-                let input = if z.param_kind == Kind::Float { u.shard.copy() } else { u.shard.to_kind(z.param_kind) };
+                let input = if z.offload {
+                    // Cast on the host, then copy up: half the bytes over PCIe in bf16.
+                    let t = u.shard.to_kind(z.param_kind).to_device(z.device);
+                    z.stats.h2d_bytes += (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+                    t
+                } else if z.param_kind == Kind::Float {
+                    u.shard.copy()
+                } else {
+                    u.shard.to_kind(z.param_kind)
+                };
                 let full = u.full.as_ref().expect("stages 1-2 keep full parameters").shallow_clone();
                 match z.pg.all_gather_async(full, input) {
                     Ok(w) => works.push(w),
@@ -577,7 +670,13 @@ impl Core<'_> {
         self.stats.comm_s += (t.finished - t.started).as_secs_f64();
         self.stats.bytes += (out.numel() * out.kind().elt_size_in_bytes()) as u64;
         if apply {
-            let _ = self.units[u].grad_shard.g_add_(&out);
+            if self.offload {
+                // (shard,) in the reduce kind, device → host: the copy down.
+                self.stats.d2h_bytes += (out.numel() * out.kind().elt_size_in_bytes()) as u64;
+                let _ = self.units[u].grad_shard.g_add_(&out.to_device(tch::Device::Cpu));
+            } else {
+                let _ = self.units[u].grad_shard.g_add_(&out);
+            }
             if self.stage == Stage::One {
                 if let Some(g) = self.units[u].grad_full.as_mut() {
                     let _ = g.zero_(); // the full local gradient buffer stays allocated (ZeRO-1)
