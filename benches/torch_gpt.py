@@ -17,7 +17,10 @@ What it is
            ``--checkpointing none|full|every:K`` wraps blocks 0, K, 2K, ... in
            ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)``;
            ``--precision bf16|fp16`` runs the forward under
-           ``torch.autocast("cpu", dtype=...)`` (fp16 with ``torch.amp.GradScaler``).
+           ``torch.autocast("cpu", dtype=...)`` (fp16 with ``torch.amp.GradScaler``);
+           ``--device cuda`` (single only) runs it on the GPU, each step timed
+           after ``torch.cuda.synchronize()`` (shardlab times CUDA steps to their
+           kernels' end the same way), and reports ``cuda_max_allocated_bytes``.
 
 How to run (from the repository root)
     .venv/bin/python benches/torch_gpt.py init --out /tmp/gpt.safetensors
@@ -292,6 +295,9 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     data = train_data(args)
     torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's)
     model = build_model(args)
+    dev = torch.device(args.device)
+    model.to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     model.checkpoint_every = parse_checkpointing(args.checkpointing)
     params = num_params(model)
     model.train()
@@ -299,7 +305,7 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     # region casts the matmuls (linear, SDPA) to bf16/fp16; fp16 adds a GradScaler. FSDP2 also
     # gathers its parameters in that dtype (MixedPrecisionPolicy), as shardlab's ZeRO does.
     amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
-    scaler = torch.amp.GradScaler("cpu") if args.precision == "fp16" else None
+    scaler = torch.amp.GradScaler(dev.type) if args.precision == "fp16" else None
     if ddp and args.strategy == "fsdp":
         model = wrap_fsdp2(model, reshard_after_forward=not args.no_reshard_after_forward, param_dtype=amp_dtype)
     elif ddp:
@@ -310,11 +316,13 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     times, loss = [], None
     for step in range(args.steps):
         x, y = get_batch(data, B, T, g)
+        x, y = x.to(dev), y.to(dev)
         if ddp:
             dist.barrier()
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
+        with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             _, loss = model(x, y)
         if scaler is None:
             loss.backward()
@@ -323,6 +331,7 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+        sync()
         dt = time.perf_counter() - t0
         times.append(dt)
         if args.verbose and rank == 0:
@@ -340,7 +349,8 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
         "tokens_per_s": B * T * world_size / median, "step_s_median": median,
         "final_loss": final_loss, "threads": args.threads, "checkpointing": args.checkpointing,
         "precision": args.precision,
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(), "device": args.device,
+        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
     }
 
 
@@ -365,6 +375,8 @@ def free_port() -> int:
 def cmd_train(args) -> None:
     if args.steps <= args.warmup:
         sys.exit("error: --steps must be larger than --warmup")
+    if args.device != "cpu" and args.strategy != "single":
+        sys.exit("error: --device cuda runs --strategy single (the ranks here talk over gloo)")
     if args.strategy == "single":
         if args.world_size != 1:
             print("note: --strategy single ignores --world-size", file=sys.stderr)
@@ -401,6 +413,7 @@ def parse_args(argv=None):
     t = sub.add_parser("train", help="tokens/s training benchmark")
     t.add_argument("--strategy", choices=("single", "ddp", "fsdp"), default="single")
     t.add_argument("--world-size", type=int, default=1)
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     t.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     t.add_argument("--steps", type=int, default=30)
     t.add_argument("--warmup", type=int, default=5, help="leading steps excluded from the median")

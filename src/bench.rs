@@ -235,9 +235,25 @@ pub fn measure_with(
     bytes: u64,
     timing: Timing,
 ) -> CommResult<BenchRecord> {
+    measure_on(pg, impl_, op, algo, bytes, timing, Device::Cpu)
+}
+
+/// [`measure_with`] on tensors on `device` (lesson 11: a GPU for the nccl backend, where NCCL
+/// moves device memory in place; CUDA tensors through the tcp backend time its staging through
+/// the host too). A blocking collective returns once its result is complete on the device, so
+/// the wall clock times the operation itself.
+pub fn measure_on(
+    pg: &ProcessGroup,
+    impl_: &str,
+    op: OpKind,
+    algo: Algo,
+    bytes: u64,
+    timing: Timing,
+    device: Device,
+) -> CommResult<BenchRecord> {
     let n = pg.world_size();
     let f32s = |b: u64| (b / 4) as i64;
-    let opts = (Kind::Float, Device::Cpu);
+    let opts = (Kind::Float, device);
     // Zero-filled, so repeated sums stay finite however many iterations run.
     let (mut a, mut b, real_bytes) = match op {
         OpKind::AllGather | OpKind::ReduceScatter => {

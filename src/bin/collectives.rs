@@ -5,6 +5,7 @@
 //!       --ops all_reduce,broadcast,all_gather,reduce_scatter --sizes 4K,64K,1M,16M,64M --json
 //!   cargo run --release --bin collectives -- --world-size 4 --compare-gloo --limits
 //!   cargo run --release --bin collectives -- --world-size 2 --compare-gloo --method barrier
+//!   cargo run --release --bin collectives -- --backend nccl --world-size 1 --sizes 1M,64M,1G  # a GPU per rank
 //!
 //! bytes = the full tensor (all_reduce, broadcast), the full gathered output (all_gather), the full
 //! input (reduce_scatter); busbw as nccl-tests. Every record names the algorithm that ran (`auto`
@@ -81,6 +82,10 @@ struct Args {
     /// Also measure the ceilings: one loopback TCP stream and memcpy.
     #[arg(long)]
     limits: bool,
+    /// Where the benchmark's tensors live [default: cuda for --backend nccl, else cpu]. CUDA
+    /// tensors through the tcp or local backend are staged through host memory (timed too).
+    #[arg(long, value_enum)]
+    device: Option<shardlab::device::DeviceChoice>,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -172,8 +177,20 @@ fn main() -> Result<()> {
     let (json, total) = (args.json, plan.len() as u64);
     let default = CommConfig::default();
     let config = CommConfig { transport: args.transport.unwrap_or(default.transport), ..default };
+    let device_choice = args.device.unwrap_or(if args.backend == Backend::Nccl {
+        shardlab::device::DeviceChoice::Cuda
+    } else {
+        shardlab::device::DeviceChoice::Cpu
+    });
+    if args.backend == Backend::Nccl && device_choice == shardlab::device::DeviceChoice::Cpu {
+        bail!("--backend nccl moves GPU memory: use --device cuda (CPU tensors would time their staging)");
+    }
+    // Before any rank starts: a clear error where there is no GPU.
+    shardlab::device::resolve(device_choice, 0)?;
     let records = spawn_with(SpawnOptions::new(args.world_size, args.backend).config(config), |pg| {
-        let impl_name = format!("shardlab-{}", pg.data_path());
+        let device = shardlab::device::resolve(device_choice, pg.local_rank())?;
+        let on = if device.is_cuda() { "+cuda" } else { "" };
+        let impl_name = format!("shardlab-{}{on}", pg.data_path());
         let bar = (pg.rank() == 0).then(|| {
             let b = indicatif::ProgressBar::new(total);
             b.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").unwrap());
@@ -186,7 +203,7 @@ fn main() -> Result<()> {
             }
             // Direct needs every rank's shared memory: skipped where this group has none.
             if algo != Algo::Direct || pg.resolve(op, Algo::Auto) == Algo::Direct {
-                out.push(bench::measure_with(pg, &impl_name, op, algo, bytes, timing)?);
+                out.push(bench::measure_on(pg, &impl_name, op, algo, bytes, timing, device)?);
             }
             if let Some(b) = &bar {
                 b.inc(1);
@@ -235,10 +252,10 @@ fn main() -> Result<()> {
 }
 
 fn backend_name(b: Backend) -> &'static str {
-    if b == Backend::Tcp {
-        "tcp"
-    } else {
-        "local"
+    match b {
+        Backend::Tcp => "tcp",
+        Backend::Nccl => "nccl",
+        Backend::Local => "local",
     }
 }
 
