@@ -248,19 +248,17 @@ impl ProcessGroup {
 }
 
 /// Tensors on the wrong side for the backend: CUDA tensors through the CPU backends (local, tcp)
-/// and CPU tensors through NCCL (a loss, a flag) run on a copy where the backend wants them, and a
-/// tensor the operation writes is copied back afterwards (a blocking call: before it returns; an
-/// `*_async` one: in `Work::wait`, on the waiting thread). The copies are made on the calling
-/// thread, after the work already queued on the device (libtorch's default stream), so the values
-/// are those the caller computed. Staging costs two copies over PCIe per operation: NCCL moves
-/// device memory in place.
+/// and CPU tensors through NCCL (a loss, a flag) run on a copy where the backend wants them
+/// ([`super::staging`]: pinned host memory from a GPU), and a tensor the operation writes is
+/// copied back afterwards (a blocking call: before it returns; an `*_async` one: in `Work::wait`,
+/// on the waiting thread).
 fn to(t: &Tensor, device: Device) -> Tensor {
-    t.to_device(device).contiguous()
+    super::staging::stage(t, device)
 }
 
 /// Copy the staged result back into the caller's tensor.
 fn copy_back(dst: &mut Tensor, staged: &Tensor) {
-    tch::no_grad(|| dst.copy_(staged));
+    super::staging::unstage(dst, staged)
 }
 
 impl ProcessGroup {

@@ -73,6 +73,7 @@ mod host;
 pub(crate) mod local;
 pub mod nccl;
 mod rendezvous;
+pub mod staging;
 pub mod store;
 pub(crate) mod tcp;
 pub(crate) mod transport;

@@ -155,6 +155,48 @@ impl Lib {
     }
 }
 
+/// Rank 0's NCCL unique id, handed to every rank through the job's authenticated store under
+/// `key` (lesson 11; one key per communicator: a subgroup or a restarted generation has its own).
+/// Rank 0 calls `make` (ncclGetUniqueId) and publishes `id:` followed by the 128 bytes; if `make`
+/// fails it publishes `error:` and the reason, so every rank fails at once with it instead of
+/// waiting out `timeout`. The others wait up to `timeout` for the value. Rank 0 returns its own id.
+pub fn share_unique_id(
+    store: &mut super::store::StoreClient,
+    rank: usize,
+    key: &str,
+    make: impl FnOnce() -> CommResult<UniqueId>,
+    timeout: Duration,
+) -> CommResult<UniqueId> {
+    if rank == 0 {
+        return match make() {
+            Ok(id) => {
+                store.set(key, &[&b"id:"[..], &id.0[..]].concat())?;
+                Ok(id)
+            }
+            Err(e) => {
+                store.set(key, format!("error:{e}").as_bytes())?;
+                Err(e)
+            }
+        };
+    }
+    let v = store.get(key, timeout)?.ok_or_else(|| {
+        CommError::Rendezvous(format!("rank {rank}: rank 0 did not publish the NCCL id ({key}) within {timeout:?}"))
+    })?;
+    if let Some(why) = v.strip_prefix(b"error:") {
+        return Err(CommError::Rendezvous(format!(
+            "rank {rank}: rank 0 could not make the NCCL id: {}",
+            String::from_utf8_lossy(why)
+        )));
+    }
+    match v.strip_prefix(b"id:").map(<[u8; 128]>::try_from) {
+        Some(Ok(id)) => Ok(UniqueId(id)),
+        _ => Err(CommError::Protocol(format!(
+            "rank {rank}: {key} in the store is not an NCCL id (`id:` and 128 bytes; {} bytes)",
+            v.len()
+        ))),
+    }
+}
+
 fn cuda(r: c_int, what: &str) -> CommResult<()> {
     if r == 0 {
         Ok(())

@@ -207,15 +207,9 @@ impl ProcessGroup {
         }
         let device = init.local_rank % gpus;
         let (server, mut client) = join_store(init, &mut cfg)?;
-        if rank == 0 {
-            client.set("nccl/id", &lib.unique_id()?.0)?;
-        }
-        let id = client.get("nccl/id", cfg.rendezvous_timeout)?.ok_or_else(|| {
-            CommError::Rendezvous(format!("rank 0 did not publish the NCCL id within {:?}", cfg.rendezvous_timeout))
-        })?;
-        let id: [u8; 128] =
-            id.try_into().map_err(|_| CommError::Protocol("the NCCL id in the store is not 128 bytes".into()))?;
-        let backend = super::nccl::NcclBackend::new(super::nccl::UniqueId(id), rank, n, device, cfg.timeout)?;
+        let id =
+            super::nccl::share_unique_id(&mut client, rank, "nccl/id", || lib.unique_id(), cfg.rendezvous_timeout)?;
+        let backend = super::nccl::NcclBackend::new(id, rank, n, device, cfg.timeout)?;
         let local = (init.local_rank, init.local_world_size);
         let pg = ProcessGroup::new(Arc::new(backend), Backend::Nccl, cfg, local, server);
         pg.barrier()?;

@@ -1,0 +1,88 @@
+//! Lesson 11 — GPUs, NCCL, multi-node and offload: your exercises.
+//! Replace each `todo!()`; check your work with `cargo grade 11`. Hints are in this lesson's README.
+#![allow(unused_variables, unused_imports, unused_mut)]
+
+use shardlab::comm::store::StoreClient;
+use shardlab::model::GptConfig;
+use shardlab::optim::{AdamW, Decay, Optimizer};
+use std::time::Duration;
+use tch::{Device, Kind, Tensor};
+
+/// Exercise 1 — model FLOPs utilisation. A GPT of shape `cfg` trains at `tokens_per_s` tokens
+/// per second (all ranks together) on `devices` accelerators of `peak_tflops` dense TFLOP/s each.
+/// Return the fraction of that peak the model's training FLOPs use: per token, 6 FLOPs for every
+/// parameter that multiplies an activation — every parameter except the position embedding (a
+/// lookup), the tied token embedding counted once (it is the output projection) — plus the
+/// attention term 12·L·C·T (L layers, width C, context T = `block_size`).
+pub fn mfu(cfg: &GptConfig, tokens_per_s: f64, devices: usize, peak_tflops: f64) -> f64 {
+    // TODO: count N from the shape (wte V·C; per block two LayerNorms, qkv, the attention output
+    // projection and the two MLP layers, weights and biases; the final LayerNorm), then
+    // flops/token = 6·N + 12·L·C·T, and divide the FLOP/s achieved by devices × peak × 1e12
+    // (README, "MFU: how much of the GPU a run uses").
+    todo!()
+}
+
+/// Exercise 2 — the NCCL unique id through the store. Every rank of a new communicator calls
+/// this with the job's store and the communicator's `key`. Rank 0 calls `make_id` (in the library:
+/// `ncclGetUniqueId`) and publishes `id:` followed by the 128 bytes under `key`, then returns its
+/// id. If `make_id` fails, rank 0 publishes `error:` followed by the reason and returns the error.
+/// Every other rank waits up to `timeout` for the value and returns the id — or an error naming
+/// rank 0's reason (`error:`), saying rank 0 published nothing within the timeout (name "rank 0"),
+/// or that the value is not an NCCL id (anything else).
+pub fn share_unique_id(
+    store: &mut StoreClient,
+    rank: usize,
+    key: &str,
+    make_id: impl FnOnce() -> Result<[u8; 128], String>,
+    timeout: Duration,
+) -> Result<[u8; 128], String> {
+    // TODO: rank 0: make the id, `store.set(key, b"id:" + id)` (or `error:` + the reason) and return
+    // it; the others: `store.get(key, timeout)`, `None` is rank 0's silence, then strip the prefix
+    // and check the length (README, "Bring-up: the unique id").
+    todo!()
+}
+
+/// Exercise 3 — staging a tensor for a backend. Return what a backend working on `device` should
+/// read (and write): `t` itself (a shallow clone, sharing its storage) when `t` is already on
+/// `device` and contiguous; otherwise a contiguous copy of `t` on `device`, of the same kind and
+/// shape — in pinned host memory when it comes from a GPU to the CPU.
+pub fn stage(t: &Tensor, device: Device) -> Tensor {
+    // TODO: on `device` and `is_contiguous()`: a shallow clone. GPU → CPU: an empty host tensor of
+    // the same size and kind, `pin_memory`, `copy_` into it. Otherwise `to_device` and
+    // `contiguous` (README, "Host and device memory").
+    todo!()
+}
+
+/// Exercise 4 — the copy back. After the backend wrote its result into `staged` (what `stage`
+/// returned for `dst`), make the caller's tensor `dst` hold it: write into `dst`'s own memory — it
+/// may be a view into a larger buffer that the model reads — and do nothing when `staged` is
+/// `dst`'s memory already.
+pub fn unstage(dst: &mut Tensor, staged: &Tensor) {
+    // TODO: compare device, data_ptr, size and stride; if they differ, `copy_` the staged values
+    // into `dst` under `tch::no_grad` (README, "Host and device memory").
+    todo!()
+}
+
+/// Exercise 5 — a CPU-offloaded optimizer step (ZeRO-Offload). Slot `i` has its working
+/// parameter `params[i]` on the device (bf16, fp16 or f32: what forward reads), its averaged
+/// gradient `grads[i]` there (any float kind), and in host memory its f32 master `masters[i]` and
+/// an f32 buffer `grad_hosts[i]`, all of the same number of elements. Copy each gradient down into
+/// its `grad_hosts[i]`, let `opt` step the masters with them at learning rate `lr` (with `decay`,
+/// one per slot), then copy each updated master up into `params[i]`, in that tensor's kind.
+/// Write into the tensors you were given (the model reads `params[i]`'s memory). Return the bytes
+/// copied (device → host, host → device): a gradient crosses in its own kind, a parameter in the
+/// device's kind (cast on the host first). An optimizer refusal is the error.
+pub fn offload_step(
+    opt: &mut AdamW,
+    lr: f64,
+    params: &[Tensor],
+    grads: &[Tensor],
+    masters: &[Tensor],
+    grad_hosts: &[Tensor],
+    decay: &[Decay],
+) -> Result<(u64, u64), String> {
+    // TODO: copy each gradient to the host in its kind, then into grad_hosts[i]; opt.step on the
+    // masters; cast each master to params[i].kind() on the host and copy it into params[i]; count
+    // the bytes of what crossed (README, "CPU offload").
+    todo!()
+}
