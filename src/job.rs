@@ -523,6 +523,9 @@ pub struct OneRun {
     /// ZeRO/FSDP CPU offload (lesson 11).
     #[serde(default)]
     pub offload: bool,
+    /// Where the ranks compute (lesson 11).
+    #[serde(default)]
+    pub device: crate::device::DeviceChoice,
 }
 
 fn yes() -> bool {
@@ -547,6 +550,7 @@ pub fn run_one_if_asked() {
         s.precision = r.precision;
         s.reduce_dtype = r.reduce_dtype;
         s.offload = r.offload;
+        s.device = r.device;
         let out = r.job.fit(s, false, false)?;
         println!("{}", serde_json::to_string(&out)?);
         Ok(())

@@ -98,6 +98,7 @@ fn main() -> anyhow::Result<()> {
             precision: shardlab::precision::Precision::Fp32,
             reduce_dtype: shardlab::precision::Precision::Fp32,
             offload: false,
+            device: Default::default(),
         })?;
         let name = format!("{strategy:?}").to_lowercase();
         let exposed_ms = r.exposed_comm_s / a.steps as f64 * 1e3;

@@ -78,6 +78,7 @@ fn main() -> anyhow::Result<()> {
         precision: shardlab::precision::Precision::Fp32,
         reduce_dtype: shardlab::precision::Precision::Fp32,
         offload: false,
+        device: Default::default(),
     };
     let sizes: Vec<usize> = cfg.param_shapes().iter().map(|(_, s)| 4 * s.iter().product::<i64>() as usize).collect();
     let mut rows = Vec::new();

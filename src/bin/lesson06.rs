@@ -60,6 +60,7 @@ fn main() -> anyhow::Result<()> {
         precision: shardlab::precision::Precision::Fp32,
         reduce_dtype: shardlab::precision::Precision::Fp32,
         offload: false,
+        device: Default::default(),
     };
     let runs: Vec<(Strategy, RunSummary)> = [Strategy::Ddp, Strategy::Zero3]
         .into_iter()

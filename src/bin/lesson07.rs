@@ -88,6 +88,7 @@ fn main() -> anyhow::Result<()> {
             precision: shardlab::precision::Precision::Fp32,
             reduce_dtype: shardlab::precision::Precision::Fp32,
             offload: false,
+            device: Default::default(),
         })?;
         let m = r.memory;
         let rss = r.peak_rss_bytes.unwrap_or(0) as f64;

@@ -105,6 +105,7 @@ fn main() -> anyhow::Result<()> {
             precision: p,
             reduce_dtype: reduce,
             offload: false,
+            device: Default::default(),
         })
     };
 

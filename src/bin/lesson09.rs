@@ -121,6 +121,7 @@ fn main() -> anyhow::Result<()> {
                 precision: shardlab::precision::Precision::Fp32,
                 reduce_dtype: shardlab::precision::Precision::Fp32,
                 offload: false,
+                device: Default::default(),
             };
             let r: RunSummary = job::run_isolated_with_env(&one, env)?;
             anyhow::Ok((r.peak_rss_bytes.unwrap_or(0) as f64, r.median_step_s, r.final_loss))
