@@ -71,3 +71,46 @@ fn nccl_collectives_at_world_size_one() {
     assert_eq!(cpu, &vec![2.5]);
     assert_eq!(path, "nccl");
 }
+
+/// The unique id's hand-over (`nccl::share_unique_id`, what `init_nccl` uses): every rank gets rank
+/// 0's id; when rank 0 cannot make one, every rank fails at once with its reason (no GPU needed).
+#[test]
+fn the_unique_id_reaches_every_rank_and_so_does_rank_0s_failure() {
+    use shardlab::comm::auth::Secret;
+    use shardlab::comm::nccl::{share_unique_id, UniqueId};
+    use shardlab::comm::store::{StoreClient, StoreServer};
+    use std::time::{Duration, Instant};
+    let secret = Secret::generate().unwrap();
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "nccl-id", &secret).unwrap();
+    let addr = server.addr().to_string();
+    let run = |key: &'static str, fail: bool| -> Vec<(Result<[u8; 128], String>, Duration)> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|rank| {
+                    let (addr, secret) = (addr.clone(), &secret);
+                    s.spawn(move || {
+                        let mut c = StoreClient::connect(&addr, "nccl-id", secret, Duration::from_secs(5)).unwrap();
+                        let t0 = Instant::now();
+                        let make = || {
+                            if fail {
+                                Err(CommError::Io("no GPU (pretend)".into()))
+                            } else {
+                                Ok(UniqueId([7; 128]))
+                            }
+                        };
+                        let r = share_unique_id(&mut c, rank, key, make, Duration::from_secs(20));
+                        (r.map(|id| id.0).map_err(|e| e.to_string()), t0.elapsed())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    for (r, _) in run("nccl/id/a", false) {
+        assert_eq!(r, Ok([7; 128]));
+    }
+    for (r, took) in run("nccl/id/b", true) {
+        let e = r.unwrap_err();
+        assert!(e.contains("no GPU (pretend)") && took < Duration::from_secs(5), "{e} after {took:?}");
+    }
+}
