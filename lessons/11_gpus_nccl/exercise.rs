@@ -47,9 +47,9 @@ pub fn share_unique_id(
 /// `device` and contiguous; otherwise a contiguous copy of `t` on `device`, of the same kind and
 /// shape — in pinned host memory when it comes from a GPU to the CPU.
 pub fn stage(t: &Tensor, device: Device) -> Tensor {
-    // TODO: on `device` and `is_contiguous()`: a shallow clone. GPU → CPU: an empty host tensor of
-    // the same size and kind, `pin_memory`, `copy_` into it. Otherwise `to_device` and
-    // `contiguous` (README, "Host and device memory").
+    // TODO: on `device` and `is_contiguous()`: a shallow clone. GPU → CPU: a non-blocking copy
+    // down (`to_device_(Cpu, kind, true, false)`: libtorch makes it pinned), then
+    // `tch::Cuda::synchronize`. Otherwise `to_device` and `contiguous` (README, "Host and device memory").
     todo!()
 }
 
@@ -69,9 +69,12 @@ pub fn unstage(dst: &mut Tensor, staged: &Tensor) {
 /// an f32 buffer `grad_hosts[i]`, all of the same number of elements. Copy each gradient down into
 /// its `grad_hosts[i]`, let `opt` step the masters with them at learning rate `lr` (with `decay`,
 /// one per slot), then copy each updated master up into `params[i]`, in that tensor's kind.
-/// Write into the tensors you were given (the model reads `params[i]`'s memory). Return the bytes
-/// copied (device → host, host → device): a gradient crosses in its own kind, a parameter in the
-/// device's kind (cast on the host first). An optimizer refusal is the error.
+/// Write into the tensors you were given (the model reads `params[i]`'s memory). `masters[i]` and
+/// `grad_hosts[i]` are flat `(numel,)` while `params[i]` and `grads[i]` keep their shapes. Return
+/// the bytes copied (device → host, host → device), counted even where "device" and host are the
+/// same CPU (as in the grader): a gradient crosses in its own kind, a parameter in the device's
+/// kind (cast on the host first). An optimizer refusal is the error, and then no parameter may
+/// change.
 pub fn offload_step(
     opt: &mut AdamW,
     lr: f64,

@@ -48,14 +48,13 @@ fn main() -> anyhow::Result<()> {
 
     // 1. The machine.
     let gpus = device::cuda_devices();
-    let infos: Vec<_> = (0..gpus).filter_map(device::cuda_info).collect();
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
     let torch_cuda = maps.contains("libtorch_cuda");
     let nccl = shardlab::comm::nccl::Lib::get().and_then(|l| l.version());
     if a.json {
         println!(
             "{}",
-            json!({"section": "machine", "cuda_devices": gpus, "gpus": infos, "libtorch_cuda_loaded": torch_cuda,
+            json!({"section": "machine", "cuda_devices": gpus, "libtorch_cuda_loaded": torch_cuda,
                    "nccl_version": nccl.as_ref().ok(), "nccl_error": nccl.as_ref().err().map(|e| e.to_string())})
         );
     } else {
@@ -64,14 +63,6 @@ fn main() -> anyhow::Result<()> {
             "  libtorch_cuda.so {} this process; libtorch sees {gpus} CUDA device(s)",
             if torch_cuda { "is loaded in" } else { "is NOT loaded in (a CPU-only libtorch, or not linked)" }
         );
-        for (i, g) in infos.iter().enumerate() {
-            println!(
-                "  cuda:{i} {}: {:.1} of {:.1} GiB in use",
-                g.name,
-                g.used_bytes as f64 / (1u64 << 30) as f64,
-                g.total_bytes as f64 / (1u64 << 30) as f64
-            );
-        }
         match &nccl {
             Ok(v) => println!(
                 "  NCCL {}.{}.{} loads (the nccl backend can start where there is a GPU)",
@@ -177,8 +168,15 @@ fn main() -> anyhow::Result<()> {
                            "median_step_s": r.median_step_s, "final_loss": r.final_loss, "cuda": r.cuda})
                 );
             } else {
+                let gpu = r.cuda.as_ref().map_or(String::new(), |c| {
+                    format!(
+                        "  ({}: {:.2} GiB in use on it, all processes)",
+                        c.name,
+                        c.used_bytes as f64 / (1u64 << 30) as f64
+                    )
+                });
                 println!(
-                    "  {name:<15} {:>14.2} {:>12.2} {:>13.2} {:>13.2} {:>12.1} {:>12.6}",
+                    "  {name:<15} {:>14.2} {:>12.2} {:>13.2} {:>13.2} {:>12.1} {:>12.6}{gpu}",
                     m.model_states() as f64 / 1e6,
                     m.offloaded as f64 / 1e6,
                     per_step(st.d2h_bytes),

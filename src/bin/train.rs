@@ -305,13 +305,22 @@ fn main() -> anyhow::Result<()> {
     let peak = args
         .peak_tflops
         .or_else(|| s.cuda.as_ref().and_then(|c| shardlab::flops::peak_tflops(&c.name, args.precision)));
-    let mfu = peak.map(|p| shardlab::flops::mfu(s.tokens_per_s, flops_per_token, s.world_size, p));
+    // MFU is per device: ranks sharing a GPU (the tcp backend allows it) share its peak. Ranks per
+    // machine (LOCAL_WORLD_SIZE under a launcher, all of them otherwise) over the GPUs it has.
+    let devices = if s.cuda.is_some() {
+        let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(s.world_size).max(1);
+        s.world_size.div_ceil(local) * local.min(shardlab::device::cuda_devices().max(1))
+    } else {
+        s.world_size
+    };
+    let mfu = peak.map(|p| shardlab::flops::mfu(s.tokens_per_s, flops_per_token, devices, p));
     if args.json {
         let mut v = serde_json::to_value(&s)?;
         v["summary"] = json!(true);
         v["flops_per_token"] = json!(flops_per_token);
         v["mfu"] = json!(mfu);
         v["peak_tflops"] = json!(peak);
+        v["mfu_devices"] = json!(devices);
         v.as_object_mut().map(|o| o.remove("losses"));
         println!("{v}");
     } else {
@@ -338,20 +347,22 @@ fn main() -> anyhow::Result<()> {
         }
         if s.memory.offloaded > 0 {
             println!(
-                "offload: model states {:.1} MB on the device, {:.1} MB in host memory; {:.1} MB down, {:.1} MB up per step",
+                "offload: model states {:.3} MB on the device, {:.3} MB in host memory; {:.3} MB down, {:.3} MB up per step",
                 s.memory.model_states() as f64 / 1e6,
                 s.memory.offloaded as f64 / 1e6,
-                s.ddp.d2h_bytes as f64 / 1e6 / args.steps.max(1) as f64,
-                s.ddp.h2d_bytes as f64 / 1e6 / args.steps.max(1) as f64
+                s.ddp.d2h_bytes as f64 / 1e6 / s.losses.len().max(1) as f64,
+                s.ddp.h2d_bytes as f64 / 1e6 / s.losses.len().max(1) as f64
             );
+            if s.cuda.is_none() {
+                println!("(on the CPU, \"device\" and host memory are the same RAM: the split is bookkeeping, the copies are memcpy)");
+            }
         }
         if let (Some(m), Some(p)) = (mfu, peak) {
             println!(
-                "MFU {:.2}% ({:.3e} model FLOPs per token × {:.0} tokens/s over {} × {p} TFLOP/s)",
+                "MFU {:.2}% ({:.3e} model FLOPs per token × {:.0} tokens/s over {devices} device(s) × {p} TFLOP/s)",
                 100.0 * m,
                 flops_per_token,
                 s.tokens_per_s,
-                s.world_size
             );
         }
         if s.measured_steps < 5 {

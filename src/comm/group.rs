@@ -213,7 +213,7 @@ impl ProcessGroup {
     /// `input` is dropped when the operation is done.
     pub fn all_gather_async(&self, mut out: Tensor, input: Tensor) -> CommResult<Work<Tensor>> {
         if let Some(d) = self.stage_to(&[&out, &input]) {
-            let (mut h, i) = (to(&out, d), to(&input, d));
+            let (mut h, i) = (output_on(&out, d), to(&input, d));
             let w = self.start(self.backend.all_gather(&mut h, &i, self.cfg.all_gather_algo), h.shallow_clone())?;
             return Ok(w.replace_out(out, move |t: &mut Tensor| copy_back(t, &h)));
         }
@@ -238,7 +238,7 @@ impl ProcessGroup {
     /// [`Work::wait`]; `input` is dropped when the operation is done.
     pub fn reduce_scatter_async(&self, mut out: Tensor, input: Tensor, op: ReduceOp) -> CommResult<Work<Tensor>> {
         if let Some(d) = self.stage_to(&[&out, &input]) {
-            let (mut h, i) = (to(&out, d), to(&input, d));
+            let (mut h, i) = (output_on(&out, d), to(&input, d));
             let w = self
                 .start(self.backend.reduce_scatter(&mut h, &i, op, self.cfg.reduce_scatter_algo), h.shallow_clone())?;
             return Ok(w.replace_out(out, move |t: &mut Tensor| copy_back(t, &h)));
@@ -249,11 +249,18 @@ impl ProcessGroup {
 
 /// Tensors on the wrong side for the backend: CUDA tensors through the CPU backends (local, tcp)
 /// and CPU tensors through NCCL (a loss, a flag) run on a copy where the backend wants them
-/// ([`super::staging`]: pinned host memory from a GPU), and a tensor the operation writes is
-/// copied back afterwards (a blocking call: before it returns; an `*_async` one: in `Work::wait`,
+/// ([`super::staging`]: pinned host memory from a GPU; an output-only tensor gets an empty buffer
+/// there, nothing copied across), and a tensor the operation writes is copied back afterwards (a blocking call: before it returns; an `*_async` one: in `Work::wait`,
 /// on the waiting thread).
 fn to(t: &Tensor, device: Device) -> Tensor {
     super::staging::stage(t, device)
+}
+
+/// Where an output-only tensor (all-gather's, reduce-scatter's) is written: itself when the
+/// backend can write it in place, else an uninitialised buffer there (its old contents would be
+/// overwritten: no copy across).
+fn output_on(t: &Tensor, device: Device) -> Tensor {
+    super::staging::output_buffer(t, device)
 }
 
 /// Copy the staged result back into the caller's tensor.

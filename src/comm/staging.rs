@@ -5,8 +5,10 @@
 //! The rule: use the tensor itself when it is already on the backend's device and contiguous (no
 //! copy); otherwise a contiguous copy there. A copy from a GPU to the host lands in **pinned**
 //! (page-locked) memory: the GPU's copy engine reads and writes pinned pages directly (DMA), at
-//! the link's full speed, where pageable memory goes through a driver bounce buffer. Staging
-//! costs two copies over PCIe per operation; NCCL moves device memory in place.
+//! the link's full speed, where pageable memory goes through a driver bounce buffer. A tensor the
+//! operation only writes (an all-gather's or reduce-scatter's output) gets an empty buffer on the
+//! other side instead of a copy. Staging costs two copies over PCIe per operation (the input
+//! across, the result back); NCCL moves device memory in place.
 
 use tch::{Device, Tensor};
 
@@ -18,13 +20,24 @@ pub fn stage(t: &Tensor, device: Device) -> Tensor {
     if !t.defined() || (t.device() == device && t.is_contiguous()) {
         return t.shallow_clone();
     }
-    if device == Device::Cpu && t.device().is_cuda() {
-        // (numel,) of t's kind, page-locked: the device → host copy is a DMA at full speed.
-        let mut host = Tensor::empty(t.size(), (t.kind(), Device::Cpu)).pin_memory(t.device());
-        tch::no_grad(|| host.copy_(t));
+    if let (Device::Cpu, Device::Cuda(i)) = (device, t.device()) {
+        // Contiguous on the GPU first, then one non-blocking copy down: libtorch puts its result
+        // in page-locked memory (from its pinned-memory cache), the copy engine moves it by DMA,
+        // and we wait for it before the backend reads it.
+        let host = tch::no_grad(|| t.contiguous().to_device_(Device::Cpu, t.kind(), true, false));
+        tch::Cuda::synchronize(i as i64);
         return host;
     }
     tch::no_grad(|| t.to_device(device).contiguous())
+}
+
+/// A buffer the backend writes a result into, for the caller's `t`: `t` itself when it is on
+/// `device` and contiguous, else an uninitialised tensor of its shape and kind on `device`.
+pub fn output_buffer(t: &Tensor, device: Device) -> Tensor {
+    if !t.defined() || (t.device() == device && t.is_contiguous()) {
+        return t.shallow_clone();
+    }
+    Tensor::empty(t.size(), (t.kind(), device))
 }
 
 /// Write a staged result back into the caller's tensor `dst` (in place: `dst` may be a view into

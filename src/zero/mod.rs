@@ -92,6 +92,9 @@ struct Unit {
     decay_mask: Tensor,
     /// The unit's gradients are final after this stage's backward.
     done_stage: usize,
+    /// CPU offload on a GPU: pinned host buffers of one shard for the copy down (reduce kind) and
+    /// the copy up (compute kind).
+    staging: (Option<Tensor>, Option<Tensor>),
     is_root: bool,
 }
 
@@ -228,6 +231,7 @@ impl<'a> Zero<'a> {
                 decay_mask: Tensor::from_slice(&mask).to_device(device),
                 done_stage,
                 is_root,
+                staging: (None, None),
             });
         }
         let stage_uses = model.stage_uses();
@@ -281,39 +285,44 @@ impl<'a> Zero<'a> {
     }
 
     /// CPU offload (DeepSpeed's ZeRO-Offload; FSDP2's `CPUOffloadPolicy`): move this rank's f32
-    /// master shards, their gradient shards and the per-element decay masks to host memory —
-    /// pinned when the parameters are on a GPU, so copies to and from it run at full PCIe speed —
-    /// and run the optimizer there (its AdamW state is allocated next to the shards: host memory
-    /// too). The device keeps the working parameters in the compute kind (whole for stages 1–2,
-    /// gathered on demand for stage 3) and the transient flat gradients. Per step, each unit's
-    /// averaged gradient shard is copied down as its reduction finishes (in the reduce kind), and
-    /// the updated shard is cast to the compute kind on the host and copied up before its
-    /// all-gather (stage 3: before every gather). The copies are counted in
-    /// [`DdpStats::d2h_bytes`] / [`DdpStats::h2d_bytes`]; [`MemoryStats::offloaded`] counts the
-    /// host side. The copies are blocking (tch has no streams to overlap them on); the arithmetic
-    /// is the same as without offload. Call it before the first step.
+    /// master shards, their gradient shards and the per-element decay masks to host memory and run
+    /// the optimizer there (its AdamW state is allocated next to the shards: host memory too). The
+    /// device keeps the working parameters in the compute kind (whole for stages 1–2, gathered on
+    /// demand for stage 3) and the transient flat gradients. Per step, each unit's averaged
+    /// gradient shard is copied down as its reduction finishes (in the reduce kind), and the
+    /// updated shard is cast to the compute kind on the host and copied up before its all-gather
+    /// (stage 3: before every gather). On a GPU both copies go through a pinned (page-locked)
+    /// buffer per unit, so the copy engine moves them by DMA at the link's speed. The copies are
+    /// counted in [`DdpStats::d2h_bytes`] / [`DdpStats::h2d_bytes`] (on a CPU they count the bytes
+    /// that would cross: there is no link); [`MemoryStats::offloaded`] counts the host side.
+    ///
+    /// The copies are blocking: a gradient's copy down waits for the kernels queued before it, so
+    /// the GPU idles once per unit in backward (DeepSpeed overlaps them on side streams; tch exposes
+    /// none). The arithmetic is that of the run without offload, bitwise on a CPU; on a GPU the
+    /// step runs CPU kernels instead of CUDA ones, so expect last-bit differences. Call it before
+    /// the first step (the optimizer's state is allocated where the shards are at the first step).
     pub fn offload(mut self, on: bool) -> Self {
         let z = &mut self.z;
         if on == z.offload {
             return self;
         }
-        let (device, rank) = (z.device, z.pg.rank());
-        let host = |t: &Tensor| -> Tensor {
-            // A copy of its own, never a view into a device buffer (stages 1-2 in f32 keep the
-            // master as a view of the full parameters).
-            let h = t.to_device(tch::Device::Cpu).copy();
-            if device.is_cuda() {
-                h.pin_memory(device)
-            } else {
-                h
-            }
-        };
+        let (device, rank, param_kind, reduce_kind) = (z.device, z.pg.rank(), z.param_kind, z.reduce_kind);
+        // A copy of its own on the host, never a view into a device buffer (stages 1-2 in f32
+        // keep the master as a view of the full parameters).
+        let host = |t: &Tensor| t.to(tch::Device::Cpu).copy();
         let back = |t: &Tensor| t.to_device(device).copy();
+        // (shard,) page-locked on the host, for the copies across the link (GPU only).
+        let pinned = |n: i64, kind: Kind| match device {
+            tch::Device::Cuda(_) => Some(Tensor::empty([n], (kind, tch::Device::Cpu)).internal_pin_memory(device)),
+            _ => None,
+        };
         for u in &mut z.units {
             let move_ = |t: &Tensor| if on { host(t) } else { back(t) };
             u.shard = move_(&u.shard);
             u.grad_shard = move_(&u.grad_shard);
             u.decay_mask = move_(&u.decay_mask);
+            let n = u.layout.shard;
+            u.staging = if on { (pinned(n, reduce_kind), pinned(n, param_kind)) } else { (None, None) };
         }
         z.offload = on;
         if !on && z.stage != Stage::Three && z.param_kind == Kind::Float {
@@ -361,7 +370,7 @@ impl Core<'_> {
     fn shard_for_gather(&mut self, u: usize) -> Tensor {
         let (shard, kind) = (&self.units[u].shard, self.param_kind);
         if self.offload {
-            let t = shard.to_kind(kind).to_device(self.device);
+            let t = upload(&self.units[u], kind, self.device);
             self.stats.h2d_bytes += (t.numel() * t.kind().elt_size_in_bytes()) as u64;
             t
         } else if kind == Kind::Float {
@@ -490,7 +499,10 @@ impl DataParallel for Zero<'_> {
                 params: held_bytes(working()),
                 grads: held_bytes(grad_full()),
                 optim: 0,
-                offloaded: held_bytes(shards()) + held_bytes(grad_shards()) + opt.state_bytes(),
+                offloaded: held_bytes(shards())
+                    + held_bytes(grad_shards())
+                    + held_bytes(units.iter().flat_map(|u| u.staging.0.iter().chain(u.staging.1.iter())))
+                    + opt.state_bytes(),
                 peak_transient: self.z.peak_transient,
             }
         } else {
@@ -611,6 +623,19 @@ impl DataParallel for Zero<'_> {
     }
 }
 
+/// CPU offload: unit `u`'s master shard in the compute kind on `device` — cast on the host (into
+/// the pinned buffer on a GPU: half the bytes over PCIe in bf16), then copied up.
+fn upload(u: &Unit, kind: Kind, device: tch::Device) -> Tensor {
+    match &u.staging.1 {
+        Some(up) => {
+            let mut up = up.shallow_clone();
+            tch::no_grad(|| up.copy_(&u.shard));
+            up.to_device(device)
+        }
+        None => u.shard.to_kind(kind).to_device(device),
+    }
+}
+
 impl Core<'_> {
     /// Stages 1–2: all-gather every rank's master shard into the whole parameters (in the compute
     /// kind) — after the optimizer step, or after a checkpoint was loaded into the shards. Stage
@@ -628,7 +653,7 @@ impl Core<'_> {
                 // (shard,) in the compute kind: a copy either way.
                 let input = if z.offload {
                     // Cast on the host, then copy up: half the bytes over PCIe in bf16.
-                    let t = u.shard.to_kind(z.param_kind).to_device(z.device);
+                    let t = upload(u, z.param_kind, z.device);
                     z.stats.h2d_bytes += (t.numel() * t.kind().elt_size_in_bytes()) as u64;
                     t
                 } else if z.param_kind == Kind::Float {
@@ -671,9 +696,17 @@ impl Core<'_> {
         self.stats.bytes += (out.numel() * out.kind().elt_size_in_bytes()) as u64;
         if apply {
             if self.offload {
-                // (shard,) in the reduce kind, device → host: the copy down.
+                // (shard,) in the reduce kind, device → host: the copy down (into the pinned
+                // buffer on a GPU), then added to the f32 shard on the host.
                 self.stats.d2h_bytes += (out.numel() * out.kind().elt_size_in_bytes()) as u64;
-                let _ = self.units[u].grad_shard.g_add_(&out.to_device(tch::Device::Cpu));
+                let unit = &mut self.units[u];
+                match unit.staging.0.as_mut() {
+                    Some(down) => {
+                        tch::no_grad(|| down.copy_(&out));
+                        let _ = unit.grad_shard.g_add_(down);
+                    }
+                    None => drop(unit.grad_shard.g_add_(&out.to_device(tch::Device::Cpu))),
+                }
             } else {
                 let _ = self.units[u].grad_shard.g_add_(&out);
             }
