@@ -35,8 +35,8 @@ pub use serde_json;
 /// Everything a lesson, bin or notebook usually needs.
 pub mod prelude {
     pub use crate::comm::{
-        Algo, Backend, CommConfig, CommError, CommResult, CommStats, DType, DataPath, OpKind, ProcessGroup, ReduceOp,
-        TcpInit, Work, WorkTiming,
+        Algo, Backend, CommConfig, CommError, CommResult, CommStats, DType, DataPath, DeviceMesh, OpKind, ProcessGroup,
+        ReduceOp, TcpInit, Work, WorkTiming,
     };
     pub use crate::data::{synthetic_corpus, DistributedSampler, Tokens};
     pub use crate::ddp::{DataParallel, DdpBucketed, DdpNaive, DdpStats, StepOutput, Variant};

@@ -28,6 +28,13 @@ pub struct ProcessGroup {
     local_world_size: usize,
     /// Rank 0 of a TCP group hosts the rendezvous store (closed once the group is formed).
     pub(super) store: Option<StoreServer>,
+    /// Subgroups ([`ProcessGroup::split`], lesson 12): how many splits this group has made (every
+    /// rank calls them in the same order, so the count names a split on every rank) ...
+    pub(super) splits: std::sync::atomic::AtomicU64,
+    /// ... and this group's identity among the local worlds of this process (threads).
+    pub(super) uid: u64,
+    /// TCP: the address this rank's peers reach it at (a subgroup's store listens there).
+    pub(super) data_ip: Option<std::net::IpAddr>,
 }
 
 impl ProcessGroup {
@@ -39,7 +46,18 @@ impl ProcessGroup {
         store: Option<StoreServer>,
     ) -> Self {
         let worker = Worker::new(backend.clone());
-        ProcessGroup { backend, worker, kind, cfg, local_rank, local_world_size, store }
+        ProcessGroup {
+            backend,
+            worker,
+            kind,
+            cfg,
+            local_rank,
+            local_world_size,
+            store,
+            splits: std::sync::atomic::AtomicU64::new(0),
+            uid: 0,
+            data_ip: None,
+        }
     }
 
     pub fn rank(&self) -> usize {

@@ -156,12 +156,15 @@ impl ProcessGroup {
             return Err(CommError::InvalidArgument("world_size must be at least 1".into()));
         }
         cfg.validate()?;
+        let uid = super::subgroup::fresh_uid();
         Ok(local::local_world(world_size)
             .into_iter()
             .enumerate()
             .map(|(r, t)| {
                 let host = Arc::new(HostBackend::new(Box::new(t), &cfg));
-                ProcessGroup::new(host, Backend::Local, cfg.clone(), (r, world_size), None)
+                let mut pg = ProcessGroup::new(host, Backend::Local, cfg.clone(), (r, world_size), None);
+                pg.uid = uid;
+                pg
             })
             .collect())
     }
@@ -175,7 +178,8 @@ impl ProcessGroup {
         let t = TcpTransport::connect(rank, n, &mut client, ip, &cfg)?;
         let host = Arc::new(HostBackend::new(Box::new(t), &cfg));
         let local = (init.local_rank, init.local_world_size);
-        let pg = ProcessGroup::new(host.clone(), Backend::Tcp, cfg, local, server);
+        let mut pg = ProcessGroup::new(host.clone(), Backend::Tcp, cfg, local, server);
+        pg.data_ip = Some(ip);
         pg.barrier()?;
         // Every rank is through the rendezvous (and has mapped its peers' shared memory).
         host.group_formed();
