@@ -21,6 +21,7 @@ pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod pipeline;
 pub mod plot;
 pub mod precision;
 pub mod rng;
