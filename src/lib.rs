@@ -27,6 +27,7 @@ pub mod precision;
 pub mod rng;
 pub mod stages;
 pub mod stats;
+pub mod tp;
 pub mod trainer;
 pub mod zero;
 

@@ -1,0 +1,114 @@
+//! Tensor parallelism (lesson 12): the sharded algebra, then a Megatron MLP split column → row
+//! over 2 and 4 ranks against one process.
+//!
+//! * The algebra, with `ndarray` (no libtorch): for Y = X·A, splitting A's columns gives Y's
+//!   columns (`X·[A₁ A₂] = [X·A₁  X·A₂]`); splitting A's rows and X's columns gives partial sums
+//!   (`[X₁ X₂]·[B₁; B₂] = X₁·B₁ + X₂·B₂`).
+//! * The MLP: every rank builds the full weights from the same seed and keeps its slices
+//!   (picotron's trick), so the run can be compared with one process's autograd on the full
+//!   weights: the output and dL/dx on every rank, and the gradients of the slices gathered back,
+//!   within f32 rounding (1e-5; the sums are grouped differently). Communication measured from
+//!   the group's own counters: exactly one all-reduce forward and one backward, each of the
+//!   (B, T, C) f32 activations — 2·B·T·C·4 bytes all-reduced per MLP.
+
+use ndarray::{concatenate, s, Array2, Axis};
+use shardlab::prelude::*;
+use shardlab::tp::{column_shard, row_shard, TpMlp};
+
+#[test]
+fn sharded_matmul_algebra_without_libtorch() {
+    // Deterministic small integers: the sums are exact in f64.
+    let x = Array2::from_shape_fn((3, 4), |(i, j)| (i * 4 + j) as f64 - 5.0);
+    let a = Array2::from_shape_fn((4, 6), |(i, j)| ((i * 7 + j * 3) % 5) as f64 - 2.0);
+    let y = x.dot(&a);
+    // Column split of A (t = 2): each rank's Y columns.
+    let y_cols =
+        concatenate(Axis(1), &[x.dot(&a.slice(s![.., 0..3])).view(), x.dot(&a.slice(s![.., 3..6])).view()]).unwrap();
+    assert_eq!(y, y_cols, "X·[A1 A2] = [X·A1 X·A2]");
+    // Row split of A with X's columns split alike: partial products summed.
+    let y_rows = x.slice(s![.., 0..2]).dot(&a.slice(s![0..2, ..])) + x.slice(s![.., 2..4]).dot(&a.slice(s![2..4, ..]));
+    assert_eq!(y, y_rows, "[X1 X2]·[B1; B2] = X1·B1 + X2·B2");
+    // The MLP's pair: column-split first layer, row-split second — no gather in between.
+    let b = Array2::from_shape_fn((6, 4), |(i, j)| ((i + 2 * j) % 3) as f64 - 1.0);
+    let relu = |m: Array2<f64>| m.mapv(|v| v.max(0.0)); // any elementwise function
+    let whole = relu(x.dot(&a)).dot(&b);
+    let parts: Array2<f64> = (0..2)
+        .map(|r| relu(x.dot(&a.slice(s![.., 3 * r..3 * r + 3]))).dot(&b.slice(s![3 * r..3 * r + 3, ..])))
+        .fold(Array2::zeros((3, 4)), |acc, p| acc + p);
+    assert_eq!(whole, parts, "f(X·A)·B = Σ_r f(X·A_r)·B_r for an elementwise f");
+}
+
+const C: i64 = 16;
+const B: i64 = 2;
+const T: i64 = 5;
+
+/// Deterministic values without libtorch's global generator (the rank threads share it).
+fn wave(shape: &[i64], k: f64, scale: f64) -> Tensor {
+    let n: i64 = shape.iter().product();
+    ((Tensor::arange(n, (Kind::Float, Device::Cpu)) * k + 0.3).sin() * scale).reshape(shape)
+}
+
+/// The full MLP (nanoGPT's shapes: c_fc (4C, C), c_proj (C, 4C)), the same on every rank.
+fn full_weights() -> [Tensor; 4] {
+    [wave(&[4 * C, C], 0.71, 0.3), wave(&[4 * C], 1.3, 0.1), wave(&[C, 4 * C], 0.37, 0.3), wave(&[C], 2.1, 0.1)]
+}
+
+fn inputs() -> (Tensor, Tensor) {
+    (wave(&[B, T, C], 0.53, 1.0), wave(&[B, T, C], 0.91, 1.0))
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn mlp_split_column_then_row_matches_one_process() {
+    // One process: autograd through the whole MLP; L = Σ y ⊙ dy, so dL/dy = dy.
+    let [w1, b1, w2, b2] = full_weights().map(|t| t.set_requires_grad(true));
+    let (x, dy) = inputs();
+    let x1 = x.copy().set_requires_grad(true);
+    let y = x1.linear(&w1, Some(&b1)).gelu("none").linear(&w2, Some(&b2));
+    (&y * &dy).sum(Kind::Float).backward();
+    let reference: Vec<Tensor> = vec![y.detach(), x1.grad(), w1.grad(), b1.grad(), w2.grad(), b2.grad()];
+    for tp in [2usize, 4] {
+        let out = spawn(tp, Backend::Local, |pg| {
+            let [w1, b1, w2, b2] = full_weights();
+            let mut mlp = TpMlp::from_full(&w1, &b1, &w2, &b2, pg).map_err(anyhow::Error::msg)?;
+            let (x, dy) = inputs();
+            let before = pg.stats();
+            let y = mlp.forward(pg, &x)?;
+            let ([g1, gb1, g2, gb2], dx) = mlp.backward(pg, &dy)?;
+            let after = pg.stats();
+            let calls = after.calls(OpKind::AllReduce) - before.calls(OpKind::AllReduce);
+            // Gather the slices' gradients back to full tensors (dim 0 of c_fc, dim 1 of c_proj).
+            let gather = |g: &Tensor, dim: i64| -> anyhow::Result<Tensor> {
+                let flat = g.transpose(0, dim).contiguous().reshape([-1]);
+                let mut all = Tensor::zeros([flat.numel() as i64 * pg.world_size() as i64], (Kind::Float, Device::Cpu));
+                pg.all_gather(&mut all, &flat)?;
+                let mut size = g.transpose(0, dim).size();
+                size[0] *= pg.world_size() as i64;
+                Ok(all.reshape(size).transpose(0, dim))
+            };
+            let tensors =
+                vec![y, dx, gather(&g1, 0)?, gather(&gb1.unsqueeze(1), 0)?.squeeze_dim(1), gather(&g2, 1)?, gb2];
+            let flat: Vec<Vec<f32>> = tensors.iter().map(|t| Vec::<f32>::try_from(t.reshape([-1])).unwrap()).collect();
+            Ok((flat, calls, mlp.bytes_all_reduced))
+        })
+        .unwrap();
+        let names = ["y", "dL/dx", "c_fc.weight grad", "c_fc.bias grad", "c_proj.weight grad", "c_proj.bias grad"];
+        for (rank, (flat, calls, bytes)) in out.into_iter().enumerate() {
+            for ((got, want), name) in flat.iter().zip(&reference).zip(names) {
+                let got = Tensor::from_slice(got).reshape(want.size());
+                let d = max_diff(&got, want);
+                assert!(d < 1e-5, "tp={tp} rank {rank}: {name} differs from one process by {d}");
+            }
+            assert_eq!(calls, 2, "tp={tp} rank {rank}: one all-reduce forward (g) and one backward (f)");
+            assert_eq!(bytes, 2 * (B * T * C * 4) as u64, "tp={tp} rank {rank}: two (B, T, C) f32 all-reduces");
+        }
+    }
+    // Shapes that do not split are refused with the reason.
+    let e = column_shard(&Tensor::zeros([6, 4], (Kind::Float, Device::Cpu)), 4, 0).unwrap_err();
+    assert!(e.contains("does not split into 4"), "{e}");
+    assert!(row_shard(&Tensor::zeros([6, 4], (Kind::Float, Device::Cpu)), 4, 3).is_ok());
+}
