@@ -88,6 +88,32 @@ fn mesh_2x3_tcp() {
     mesh_tcp(2, 3, "mesh_2x3_tcp");
 }
 
+/// Over TCP: a group of some ranks (the others get none and go on), and a split of it.
+#[test]
+fn new_group_and_nested_split_tcp() {
+    let opts =
+        SpawnOptions::new(3, Backend::Tcp).config(cfg()).child_args(child_args("new_group_and_nested_split_tcp"));
+    let out = spawn_with(opts, |pg| {
+        let r = pg.rank() as f64;
+        let g = pg.new_group(&[2, 0])?;
+        let parent = sum(pg, r)?;
+        let (in_g, nested) = match &g {
+            Some(g) => {
+                let s = g.split(Some(0), 1 - g.rank())?.expect("both in it"); // reversed order
+                (sum(g, r)?, s.rank() as f64)
+            }
+            None => (-1.0, -1.0),
+        };
+        Ok((in_g, nested, parent))
+    })
+    .unwrap();
+    assert_eq!(
+        out,
+        vec![(2.0, 0.0, 3.0), (-1.0, -1.0, 3.0), (2.0, 1.0, 3.0)],
+        "[(group sum, rank in the reversed split, world sum)]"
+    );
+}
+
 /// `new_group` takes members in the listed order and leaves the others out; a subgroup can be
 /// split again; bad arguments are errors on every rank, before any rank computes.
 #[test]
@@ -105,6 +131,14 @@ fn new_group_nested_splits_and_bad_arguments() {
             None => -1.0,
         };
         let dup = pg.new_group(&[0, 0]).err().map(|e| e.to_string()).unwrap_or_default();
+        // Only rank 0's list is bad: every rank fails (none waits for it).
+        let one_bad = pg
+            .new_group(if r == 0 { &[0, 9][..] } else { &[0, 1][..] })
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        let huge =
+            pg.split(Some(if r == 2 { usize::MAX } else { 0 }), 0).err().map(|e| e.to_string()).unwrap_or_default();
         let shape = DeviceMesh::new(pg, &[2, 3], &["dp", "tp"]).err().map(|e| e.to_string()).unwrap_or_default();
         // Ranks that disagree on the mesh: every rank fails, none hangs.
         let tp_size = if r == 0 { 4 } else { 2 };
@@ -112,10 +146,10 @@ fn new_group_nested_splits_and_bad_arguments() {
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
-        Ok((in_g, single, dup, shape, disagree))
+        Ok((in_g, single, dup, shape, disagree, one_bad, huge))
     })
     .unwrap();
-    for (r, (in_g, single, dup, shape, disagree)) in out.into_iter().enumerate() {
+    for (r, (in_g, single, dup, shape, disagree, one_bad, huge)) in out.into_iter().enumerate() {
         let want = match r {
             3 => (0.0, 4.0),
             1 => (1.0, 4.0),
@@ -129,6 +163,8 @@ fn new_group_nested_splits_and_bad_arguments() {
         assert!(dup.contains("appears twice"), "rank {r}: {dup:?}");
         assert!(shape.contains("6 ranks") && shape.contains("4"), "rank {r}: {shape:?}");
         assert!(disagree.contains("disagree"), "rank {r}: {disagree:?}");
+        assert!(one_bad.contains(if r == 0 { "out of range" } else { "another rank's list" }), "rank {r}: {one_bad:?}");
+        assert!(huge.contains("rank 2 passed a color"), "rank {r}: {huge:?}");
     }
 }
 
@@ -145,9 +181,19 @@ fn a_dead_rank_fails_the_groups_it_is_in() {
     let e = spawn_with(opts, |pg| {
         let mesh = DeviceMesh::new(pg, &[2, 2], &["dp", "tp"])?;
         let r = pg.rank() as f64;
-        pg.barrier()?;
-        if pg.rank() == 3 {
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        // Rank 3 dies only once ranks 1 and 2 are past every operation they share with it before
+        // their last: each sends it a token through the group they share (a barrier of the
+        // parent could see it die from inside the barrier).
+        let token = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+        match pg.rank() {
+            3 => {
+                mesh.group("dp").recv(&mut token.shallow_clone(), 0)?; // from rank 1
+                mesh.group("tp").recv(&mut token.shallow_clone(), 0)?; // from rank 2
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            1 => mesh.group("dp").send(&token, 1)?,
+            2 => mesh.group("tp").send(&token, 1)?,
+            _ => {}
         }
         // Rank 0's groups do not contain rank 3: they work (rank 1 and 2 take part first).
         match pg.rank() {

@@ -29,20 +29,21 @@ impl DeviceMesh {
     pub fn new(pg: &ProcessGroup, shape: &[usize], names: &[&str]) -> CommResult<DeviceMesh> {
         let rank = pg.rank();
         let bad = |m: String| CommError::InvalidArgument(format!("rank {rank}: device mesh {shape:?} {names:?}: {m}"));
-        if shape.is_empty() || shape.len() != names.len() {
-            return Err(bad("one name per dimension, at least one dimension".into()));
-        }
-        if shape.iter().any(|&s| s == 0) {
-            return Err(bad("every dimension needs at least one rank".into()));
-        }
         let size: usize = shape.iter().product();
-        if size != pg.world_size() {
-            return Err(bad(format!("{size} ranks, but the group has {}", pg.world_size())));
-        }
-        if names.iter().enumerate().any(|(i, n)| names[..i].contains(n)) {
-            return Err(bad("dimension names must differ".into()));
-        }
-        // Every rank must lay out the same mesh: compare a digest of it (one all-reduce).
+        let local = if shape.is_empty() || shape.len() != names.len() {
+            Some("one name per dimension, at least one dimension".to_string())
+        } else if shape.iter().any(|&s| s == 0) {
+            Some("every dimension needs at least one rank".into())
+        } else if size != pg.world_size() {
+            Some(format!("{size} ranks, but the group has {}", pg.world_size()))
+        } else if names.iter().enumerate().any(|(i, n)| names[..i].contains(n)) {
+            Some("dimension names must differ".into())
+        } else {
+            None
+        };
+        // Every rank must lay out the same, valid mesh: one all-reduce (max) of a digest of it,
+        // its negation, and whether this rank found it invalid — joined by every rank even when
+        // its own arguments are bad, so that every rank fails, none waits.
         let digest = shape
             .iter()
             .copied()
@@ -52,9 +53,15 @@ impl DeviceMesh {
                 names.iter().flat_map(|n| n.bytes()).fold(0i64, |h, b| h.wrapping_mul(131).wrapping_add(b as i64)),
             )
             & 0x3fff_ffff_ffff_ffff; // non-negative, so that -digest cannot overflow
-        let mut mm = Tensor::from_slice(&[digest, -digest]);
+        let mut mm = Tensor::from_slice(&[digest, -digest, local.is_some() as i64]);
         pg.all_reduce(&mut mm, super::ReduceOp::Max)?;
         let v = Vec::<i64>::try_from(&mm).map_err(|e| CommError::Protocol(e.to_string()))?;
+        if let Some(m) = local {
+            return Err(bad(m));
+        }
+        if v[2] != 0 {
+            return Err(bad("another rank's mesh arguments are invalid".into()));
+        }
         if v[0] != digest || -v[1] != digest {
             return Err(bad("the ranks disagree on the mesh (every rank must pass the same shape and names)".into()));
         }

@@ -21,6 +21,14 @@
 //! A rank that dies closes every connection it has, so it fails every group it is in; an error in
 //! one group does not abort the others (as in PyTorch, where each process group has its own
 //! watchdog): a job that cannot go on fails on its next operation in any of them.
+//!
+//! Arguments are checked collectively: a bad color, key, rank list or mesh on any rank is an error
+//! on every rank, and a group's rank 0 that cannot open its store (or make its NCCL id) publishes
+//! why, so no member waits for it. Not yet: `spawn` runs the end-of-job checks
+//! ([`ProcessGroup::finish`]) on the parent only — call a subgroup's `finish` yourself where stray
+//! data matters — and a parent's abort does not reach its subgroups (each fails on its own, at the
+//! latest on its timeout). A member that fails between the two all-gathers leaves its peers
+//! waiting in the subgroup's rendezvous until its timeout.
 
 use super::config::Backend;
 use super::error::{CommError, CommResult};
@@ -34,6 +42,22 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, Tensor};
+
+/// The payload of `leader`'s record, or the error it published (every member fails alike).
+fn leader_record<'a>(records: &'a [Vec<i64>], leader: usize, rank: usize, what: &str) -> CommResult<&'a [i64]> {
+    let r = &records[leader];
+    match r[0] {
+        1 => Ok(&r[1..]),
+        -1 => {
+            let why: Vec<u8> = r[1..].iter().take_while(|&&b| b != 0).map(|&b| b as u8).collect();
+            Err(CommError::Rendezvous(format!(
+                "rank {rank}: rank {leader}, the new group's rank 0, could not {what}: {}",
+                String::from_utf8_lossy(&why)
+            )))
+        }
+        _ => Err(CommError::Protocol(format!("rank {rank}: rank {leader} published nothing for the new group"))),
+    }
+}
 
 /// A new identity for a local world (threads of this process).
 pub(super) fn fresh_uid() -> u64 {
@@ -61,11 +85,20 @@ impl ProcessGroup {
     pub fn split(&self, color: Option<usize>, key: usize) -> CommResult<Option<ProcessGroup>> {
         let (n, rank) = (self.world_size(), self.rank());
         let split = self.splits.fetch_add(1, Ordering::SeqCst);
-        // (2 per rank,) i64: [color + 1 (0: none), key], all-gathered over this group.
-        let mine = Tensor::from_slice(&[color.map_or(0, |c| c as i64 + 1), key as i64]);
+        // (2 per rank,) i64: [color + 1 (0: none, -1: invalid), key], all-gathered over this group.
+        const MAX: usize = (i64::MAX / 2) as usize;
+        let invalid = color.is_some_and(|c| c > MAX) || key > MAX;
+        let code = if invalid { -1 } else { color.map_or(0, |c| c as i64 + 1) };
+        let mine = Tensor::from_slice(&[code, if invalid { 0 } else { key as i64 }]);
         let mut all = Tensor::zeros([2 * n as i64], (Kind::Int64, Device::Cpu));
         self.all_gather(&mut all, &mine)?;
         let all = Vec::<i64>::try_from(&all).map_err(|e| CommError::Protocol(e.to_string()))?;
+        // A bad argument anywhere is an error on every rank, before anyone forms anything.
+        if let Some(bad) = (0..n).find(|&r| all[2 * r] < 0) {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {rank}: split: rank {bad} passed a color or key above {MAX}"
+            )));
+        }
         let Some(color) = color else {
             // Not a member: still take part in the second all-gather (it is a collective).
             self.exchange_records(None)?;
@@ -87,7 +120,7 @@ impl ProcessGroup {
                 let mut pg =
                     ProcessGroup::new(host, Backend::Local, cfg, (self.local_rank(), self.local_world_size()), None);
                 pg.uid = mix(self.uid, split, color); // the same on every member
-                pg.barrier()?;
+                                                      // Every member's end exists once the world is built: nothing to wait for.
                 Ok(Some(pg))
             }
             Backend::Tcp => self.split_tcp(split, color, &members, new_rank),
@@ -99,32 +132,52 @@ impl ProcessGroup {
     /// calls it with the same list, members get `Some` (rank = position in `ranks`), the others
     /// `None`. An empty list, a rank out of range or a repeated rank is an error on every rank.
     pub fn new_group(&self, ranks: &[usize]) -> CommResult<Option<ProcessGroup>> {
-        let n = self.world_size();
+        let (n, rank) = (self.world_size(), self.rank());
         let mut seen = vec![false; n];
+        let mut local = ranks.is_empty().then(|| "no ranks".to_string());
         for &r in ranks {
-            if r >= n || std::mem::replace(&mut seen[r], true) {
-                return Err(CommError::InvalidArgument(format!(
-                    "rank {}: new_group({ranks:?}): {} (world size {n})",
-                    self.rank(),
-                    if r >= n { format!("rank {r} is out of range") } else { format!("rank {r} appears twice") }
-                )));
+            if r >= n {
+                local.get_or_insert(format!("rank {r} is out of range (world size {n})"));
+            } else if std::mem::replace(&mut seen[r], true) {
+                local.get_or_insert(format!("rank {r} appears twice"));
             }
         }
-        if ranks.is_empty() {
-            return Err(CommError::InvalidArgument(format!("rank {}: new_group([]): no ranks", self.rank())));
+        // Every rank checks that all passed the same valid list (one all-reduce, max, of a digest,
+        // its negation and a bad-argument flag), so that a bad list fails every rank.
+        let digest =
+            ranks.iter().fold(7i64, |h, &r| h.wrapping_mul(1_000_003).wrapping_add(r as i64)) & 0x3fff_ffff_ffff_ffff;
+        let mut mm = Tensor::from_slice(&[digest, -digest, local.is_some() as i64]);
+        self.all_reduce(&mut mm, super::ReduceOp::Max)?;
+        let v = Vec::<i64>::try_from(&mm).map_err(|e| CommError::Protocol(e.to_string()))?;
+        let why = local.or_else(|| {
+            (v[2] != 0)
+                .then(|| "another rank's list is invalid".to_string())
+                .or_else(|| (v[0] != digest || -v[1] != digest).then(|| "the ranks passed different lists".to_string()))
+        });
+        if let Some(why) = why {
+            return Err(CommError::InvalidArgument(format!("rank {rank}: new_group({ranks:?}): {why}")));
         }
-        let pos = ranks.iter().position(|&r| r == self.rank());
+        let pos = ranks.iter().position(|&r| r == rank);
         self.split(pos.map(|_| 0), pos.unwrap_or(0))
     }
 
     /// The second all-gather of a split: each rank's record (a new group's rank 0 publishes its
-    /// store address or NCCL id; others nothing); returns every rank's record.
-    fn exchange_records(&self, mine: Option<Vec<i64>>) -> CommResult<Vec<Vec<i64>>> {
+    /// store address or NCCL id — or why it has none; others nothing); returns every record.
+    fn exchange_records(&self, mine: Option<Result<Vec<i64>, String>>) -> CommResult<Vec<Vec<i64>>> {
         let n = self.world_size();
         let mut rec = vec![0i64; RECORD as usize];
-        if let Some(m) = mine {
-            rec[0] = 1;
-            rec[1..1 + m.len()].copy_from_slice(&m);
+        match mine {
+            Some(Ok(m)) => {
+                rec[0] = 1;
+                rec[1..1 + m.len()].copy_from_slice(&m);
+            }
+            Some(Err(why)) => {
+                rec[0] = -1;
+                for (slot, b) in rec[1..].iter_mut().zip(why.bytes()) {
+                    *slot = b as i64;
+                }
+            }
+            None => {}
         }
         let mut all = Tensor::zeros([RECORD * n as i64], (Kind::Int64, Device::Cpu));
         self.all_gather(&mut all, &Tensor::from_slice(&rec))?;
@@ -144,30 +197,35 @@ impl ProcessGroup {
         let mut cfg = self.config().clone();
         cfg.job_id = format!("{}/split{split}/color{color}", cfg.job_id);
         cfg.fault = None;
-        let secret = cfg
-            .secret
-            .clone()
-            .ok_or_else(|| CommError::InvalidArgument(format!("rank {rank}: this TCP group has no job secret")))?;
-        // The group's rank 0 hosts its store on the address its peers already reach it at.
-        let server =
-            if new_rank == 0 { Some(StoreServer::bind(SocketAddr::new(ip, 0), &cfg.job_id, &secret)?) } else { None };
-        let mine = server.as_ref().map(|s| {
-            let a = s.addr();
-            let v6 = match a.ip() {
-                IpAddr::V4(v4) => v4.to_ipv6_mapped(),
-                IpAddr::V6(v6) => v6,
-            };
-            v6.octets().iter().map(|&b| b as i64).chain([a.port() as i64]).collect::<Vec<i64>>()
-        });
+        // The group's rank 0 hosts its store on the address its peers already reach it at (the
+        // parent's data address; a free port). Its failure goes out in the record, so that every
+        // member fails at once with the reason instead of waiting for a store that never comes.
+        let secret = cfg.secret.clone();
+        let server = match (new_rank, &secret) {
+            (0, Some(secret)) => Some(StoreServer::bind(SocketAddr::new(ip, 0), &cfg.job_id, secret)),
+            (0, None) => Some(Err(CommError::InvalidArgument("this TCP group has no job secret".into()))),
+            _ => None,
+        };
+        let mine = match &server {
+            Some(Ok(s)) => {
+                let a = s.addr();
+                let v6 = match a.ip() {
+                    IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+                    IpAddr::V6(v6) => v6,
+                };
+                Some(Ok(v6.octets().iter().map(|&b| b as i64).chain([a.port() as i64]).collect::<Vec<i64>>()))
+            }
+            Some(Err(e)) => Some(Err(e.to_string())),
+            None => None,
+        };
         let records = self.exchange_records(mine)?;
-        let leader = &records[members[0]];
-        if leader[0] != 1 {
-            return Err(CommError::Protocol(format!("rank {rank}: rank {} published no store address", members[0])));
-        }
-        let octets: [u8; 16] = std::array::from_fn(|i| leader[1 + i] as u8);
+        let leader = leader_record(&records, members[0], rank, "open the subgroup's store")?;
+        let server = server.transpose()?;
+        let secret = secret.expect("rank 0 of the group had the job's secret, so has every rank");
+        let octets: [u8; 16] = std::array::from_fn(|i| leader[i] as u8);
         let v6 = Ipv6Addr::from(octets);
         let lip = v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4);
-        let addr = SocketAddr::new(lip, leader[17] as u16).to_string();
+        let addr = SocketAddr::new(lip, leader[16] as u16).to_string();
         let mut client = StoreClient::connect(&addr, &cfg.job_id, &secret, cfg.rendezvous_timeout)?;
         if client.add(&format!("joined/{new_rank}"), 1)? > 1 {
             return Err(CommError::Rendezvous(format!("two processes joined a subgroup as rank {new_rank}")));
@@ -186,14 +244,15 @@ impl ProcessGroup {
     }
 
     fn split_nccl(&self, members: &[usize], new_rank: usize) -> CommResult<Option<ProcessGroup>> {
-        let lib = super::nccl::Lib::get()?;
-        let mine = if new_rank == 0 { Some(lib.unique_id()?.0.iter().map(|&b| b as i64).collect()) } else { None };
+        let mine = (new_rank == 0).then(|| {
+            super::nccl::Lib::get()
+                .and_then(|lib| lib.unique_id())
+                .map(|id| id.0.iter().map(|&b| b as i64).collect())
+                .map_err(|e| e.to_string())
+        });
         let records = self.exchange_records(mine)?;
-        let leader = &records[members[0]];
-        if leader[0] != 1 {
-            return Err(CommError::Protocol(format!("rank {}: no NCCL id from rank {}", self.rank(), members[0])));
-        }
-        let id = super::nccl::UniqueId(std::array::from_fn(|i| leader[1 + i] as u8));
+        let leader = leader_record(&records, members[0], self.rank(), "make the NCCL id")?;
+        let id = super::nccl::UniqueId(std::array::from_fn(|i| leader[i] as u8));
         let gpus = crate::device::cuda_devices().max(1);
         let cfg = self.config().clone();
         let backend =
