@@ -121,3 +121,227 @@ impl TpMlp {
         Ok(([g_fc, g_bfc, g_proj, g_bproj], dx))
     }
 }
+
+/// All-gather a tensor split along `dim` over `pg` (each rank holding an equal slice): the whole
+/// tensor, on every rank.
+pub fn gather_dim(pg: &ProcessGroup, slice: &Tensor, dim: i64) -> CommResult<Tensor> {
+    let moved = slice.transpose(0, dim).contiguous();
+    let mut size = moved.size();
+    let mut all = Tensor::zeros([moved.numel() as i64 * pg.world_size() as i64], (moved.kind(), moved.device()));
+    pg.all_gather(&mut all, &moved.reshape([-1]))?;
+    size[0] *= pg.world_size() as i64;
+    Ok(all.reshape(size).transpose(0, dim).contiguous())
+}
+
+/// A GPT block (nanoGPT's: `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`) split over a
+/// tensor-parallel group of `t` ranks: attention by heads (each rank `n_head/t` heads: its rows of
+/// the q, k and v blocks of `c_attn`, the matching columns of `attn.c_proj`), the MLP column → row.
+/// LayerNorms and the two output biases are replicated. Per block, forward all-reduces the
+/// attention and MLP outputs (g, twice) and backward the gradients of the two LayerNorm outputs
+/// (f, twice): four all-reduces of B·T·C elements. fp32.
+pub struct TpBlock {
+    /// This rank's slices, in the GPT's parameter order: ln_1 w, b; c_attn w (3C/t, C), b (3C/t);
+    /// attn.c_proj w (C, C/t), b (C); ln_2 w, b; c_fc w (4C/t, C), b (4C/t); mlp.c_proj w
+    /// (C, 4C/t), b (C).
+    pub params: Vec<Tensor>,
+    n_head: i64,
+    saved: Option<BlockSaved>,
+    /// Bytes this block all-reduced so far.
+    pub bytes_all_reduced: u64,
+}
+
+struct BlockSaved {
+    x0: Tensor,
+    h1: Tensor,
+    h1_leaf: Tensor,
+    partial_a: Tensor,
+    x1_leaf: Tensor,
+    h2: Tensor,
+    h2_leaf: Tensor,
+    partial_m: Tensor,
+}
+
+fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+    let c = *x.size().last().expect("(…, C)");
+    x.layer_norm([c], Some(w), Some(b), 1e-5, false)
+}
+
+impl TpBlock {
+    /// This rank's part of a block whose full parameters are `full` (the GPT's 12 block
+    /// parameters, in its order), with `n_head` heads; `n_head` must divide by the group's size.
+    pub fn from_full(full: &[Tensor], n_head: i64, pg: &ProcessGroup) -> Result<TpBlock, String> {
+        let (t, r) = (pg.world_size(), pg.rank());
+        if full.len() != 12 {
+            return Err(format!("a GPT block has 12 parameters, not {}", full.len()));
+        }
+        if n_head % t as i64 != 0 {
+            return Err(format!("{n_head} heads do not split over {t} tensor-parallel ranks"));
+        }
+        let c = full[0].size()[0];
+        // c_attn: (3C, C) = q, k, v blocks of C rows each: this rank's heads in each block.
+        let qkv = |w: &Tensor| -> Result<Tensor, String> {
+            let mut s = w.size();
+            let blocks = w.reshape([3, c, -1]);
+            let part = shard(&blocks, 1, t, r)?;
+            s[0] /= t as i64;
+            Ok(part.reshape(s))
+        };
+        let rep = |w: &Tensor| w.detach().copy();
+        let params = vec![
+            rep(&full[0]),
+            rep(&full[1]),
+            qkv(&full[2])?,
+            qkv(&full[3])?,
+            row_shard(&full[4], t, r)?,
+            rep(&full[5]),
+            rep(&full[6]),
+            rep(&full[7]),
+            column_shard(&full[8], t, r)?,
+            column_shard(&full[9], t, r)?,
+            row_shard(&full[10], t, r)?,
+            rep(&full[11]),
+        ];
+        Ok(TpBlock {
+            params: params.into_iter().map(|p| p.set_requires_grad(true)).collect(),
+            n_head,
+            saved: None,
+            bytes_all_reduced: 0,
+        })
+    }
+
+    fn all_reduce(&mut self, pg: &ProcessGroup, t: &Tensor) -> CommResult<Tensor> {
+        let mut out = t.detach().copy();
+        pg.all_reduce(&mut out, ReduceOp::Sum)?;
+        self.bytes_all_reduced += (out.numel() * out.kind().elt_size_in_bytes()) as u64;
+        Ok(out)
+    }
+
+    /// (B, T, C) → (B, T, C), the same on every rank of `pg`.
+    pub fn forward(&mut self, pg: &ProcessGroup, x: &Tensor) -> CommResult<Tensor> {
+        let p = &self.params;
+        let (b, t, c) = x.size3().expect("(B, T, C)");
+        let heads = self.n_head / pg.world_size() as i64; // this rank's heads
+        let hs = c / self.n_head;
+        let cl = heads * hs; // C/t: this rank's attention width
+        let x0 = x.detach().set_requires_grad(true);
+        let h1 = layer_norm(&x0, &p[0], &p[1]);
+        // f: identity forward; a leaf, so that backward gives this rank's part of dL/dh1.
+        let h1_leaf = h1.detach().set_requires_grad(true);
+        let qkv = h1_leaf.linear(&p[2], Some(&p[3])); // (B, T, 3C/t)
+        let split = |i: i64| qkv.narrow(2, i * cl, cl).view([b, t, heads, hs]).transpose(1, 2);
+        let y = Tensor::scaled_dot_product_attention::<Tensor>(
+            &split(0),
+            &split(1),
+            &split(2),
+            None,
+            0.0,
+            true,
+            None,
+            false,
+        );
+        let partial_a = y.transpose(1, 2).contiguous().view([b, t, cl]).linear::<Tensor>(&p[4], None); // (B, T, C)
+        let p5 = p[5].detach();
+        // g: all-reduce forward.
+        let a = self.all_reduce(pg, &partial_a)? + p5;
+        let x1 = x0.detach() + a;
+        let x1_leaf = x1.detach().set_requires_grad(true);
+        let p = &self.params;
+        let h2 = layer_norm(&x1_leaf, &p[6], &p[7]);
+        let h2_leaf = h2.detach().set_requires_grad(true);
+        let partial_m = h2_leaf.linear(&p[8], Some(&p[9])).gelu("none").linear::<Tensor>(&p[10], None);
+        let p11 = p[11].detach();
+        let m = self.all_reduce(pg, &partial_m)? + p11;
+        let out = x1 + m;
+        self.saved = Some(BlockSaved { x0, h1, h1_leaf, partial_a, x1_leaf, h2, h2_leaf, partial_m });
+        Ok(out)
+    }
+
+    /// From dL/dy (the same on every rank): this rank's gradients of [`params`](Self::params)
+    /// (sliced like them; the replicated ones alike on every rank) and dL/dx (the same on every rank).
+    pub fn backward(&mut self, pg: &ProcessGroup, dy: &Tensor) -> CommResult<(Vec<Tensor>, Tensor)> {
+        let s = self.saved.take().ok_or_else(|| {
+            CommError::InvalidArgument(format!("rank {}: TpBlock::backward without a forward", pg.rank()))
+        })?;
+        let vjp = |out: &Tensor, grad: &Tensor, wrt: &[&Tensor]| -> Vec<Tensor> {
+            Tensor::run_backward(&[(out * grad).sum(Kind::Float)], wrt, false, false)
+        };
+        let sum_bt = |g: &Tensor| g.sum_dim_intlist([0i64, 1].as_slice(), false, Kind::Float);
+        let dy = dy.detach();
+        let p: Vec<Tensor> = self.params.iter().map(|t| t.shallow_clone()).collect();
+        let mut grads: Vec<Option<Tensor>> = (0..12).map(|_| None).collect();
+        // MLP: g backward is the identity; the local graph from h2_leaf, then f: all-reduce dh2.
+        grads[11] = Some(sum_bt(&dy));
+        let g = vjp(&s.partial_m, &dy, &[&p[8], &p[9], &p[10], &s.h2_leaf]);
+        let [g8, g9, g10, dh2]: [Tensor; 4] = g.try_into().expect("four gradients");
+        (grads[8], grads[9], grads[10]) = (Some(g8), Some(g9), Some(g10));
+        let dh2 = self.all_reduce(pg, &dh2)?;
+        let g = vjp(&s.h2, &dh2, &[&p[6], &p[7], &s.x1_leaf]);
+        let [g6, g7, dx1_ln]: [Tensor; 3] = g.try_into().expect("three gradients");
+        (grads[6], grads[7]) = (Some(g6), Some(g7));
+        let dx1 = &dy + dx1_ln; // the residual path and the LayerNorm's
+                                // Attention, the same way.
+        grads[5] = Some(sum_bt(&dx1));
+        let g = vjp(&s.partial_a, &dx1, &[&p[2], &p[3], &p[4], &s.h1_leaf]);
+        let [g2, g3, g4, dh1]: [Tensor; 4] = g.try_into().expect("four gradients");
+        (grads[2], grads[3], grads[4]) = (Some(g2), Some(g3), Some(g4));
+        let dh1 = self.all_reduce(pg, &dh1)?;
+        let g = vjp(&s.h1, &dh1, &[&p[0], &p[1], &s.x0]);
+        let [g0, g1, dx0_ln]: [Tensor; 3] = g.try_into().expect("three gradients");
+        (grads[0], grads[1]) = (Some(g0), Some(g1));
+        let dx = dx1 + dx0_ln;
+        Ok((grads.into_iter().map(|g| g.expect("every gradient")).collect(), dx))
+    }
+
+    /// The full (unsplit) tensors of `sliced` — this block's parameters or their gradients,
+    /// sliced like [`params`](Self::params) — gathered from every rank, in the GPT's order.
+    pub fn unshard(&self, pg: &ProcessGroup, sliced: &[Tensor]) -> CommResult<Vec<Tensor>> {
+        let t = pg.world_size() as i64;
+        let mut out = Vec::new();
+        for (i, s) in sliced.iter().enumerate() {
+            out.push(match i {
+                2 | 3 => {
+                    // (3C/t, …): q, k, v blocks of C/t rows each → gather each block's rows.
+                    let rows = s.size()[0];
+                    let rest: Vec<i64> = s.size()[1..].to_vec();
+                    let blocks = s.reshape([&[3, rows / 3][..], &rest].concat());
+                    let full = gather_dim(pg, &blocks, 1)?;
+                    full.reshape([&[rows * t][..], &rest].concat())
+                }
+                8 | 9 => gather_dim(pg, s, 0)?,
+                4 | 10 => gather_dim(pg, s, 1)?,
+                _ => s.detach().copy(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// Mean cross-entropy over a vocabulary split across `pg` (Megatron's vocab-parallel loss):
+/// `logits` (N, V/t) are this rank's columns — vocabulary ids `rank·V/t ..` — and `targets` (N,)
+/// the global ids. The full (N, V) logits are never gathered: three all-reduces of N numbers
+/// (the row maxima, the sums of exponentials, the target logits). Returns the loss (the same on
+/// every rank) and dL/d(logits) for this rank's columns.
+pub fn vocab_parallel_cross_entropy(pg: &ProcessGroup, logits: &Tensor, targets: &Tensor) -> CommResult<(f64, Tensor)> {
+    let (n, vl) = logits.size2().map_err(|e| CommError::InvalidArgument(format!("logits (N, V/t): {e}")))?;
+    let lo = pg.rank() as i64 * vl;
+    let z = logits.detach().to_kind(Kind::Float);
+    // (N,) max over the whole vocabulary, for a stable exp.
+    let mut m = z.amax([1i64].as_slice(), false);
+    pg.all_reduce(&mut m, ReduceOp::Max)?;
+    let e = (&z - m.unsqueeze(1)).exp();
+    let mut sum = e.sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
+    pg.all_reduce(&mut sum, ReduceOp::Sum)?;
+    // The target's logit, from the rank whose columns hold it (0 elsewhere).
+    let local = targets.to_kind(Kind::Int64) - lo;
+    let mine = local.ge(0).logical_and(&local.lt(vl));
+    let idx = local.clamp(0, vl - 1);
+    let picked = z.gather(1, &idx.unsqueeze(1), false).squeeze_dim(1) * mine.to_kind(Kind::Float);
+    let mut zt = picked;
+    pg.all_reduce(&mut zt, ReduceOp::Sum)?;
+    let loss = (sum.log() + &m - zt).mean(Kind::Float).double_value(&[]);
+    // dL/dz = (softmax − one-hot) / N, this rank's columns.
+    let onehot = Tensor::zeros([n, vl], (Kind::Float, z.device())).scatter_value(1, &idx.unsqueeze(1), 1.0)
+        * mine.to_kind(Kind::Float).unsqueeze(1);
+    let grad = (e / sum.unsqueeze(1) - onehot) / n as f64;
+    Ok((loss, grad))
+}
