@@ -1,0 +1,90 @@
+//! Pipeline parallelism (lesson 13): the GPT's stages split over p ranks, micro-batches over
+//! send/recv, GPipe and 1F1B. A step's loss and every gradient equal one process's on the whole
+//! batch (the mean of equal micro-batches' means is the batch's mean; within f32 rounding, 1e-5):
+//! each rank's gradients of the parameters its stages use, the tied embedding's summed over the
+//! first and last rank. The activations a rank holds are counted by the executor: GPipe holds all
+//! m micro-batches at its turn, 1F1B at most p − r (Narayanan et al. 2021).
+
+use shardlab::data::synthetic_corpus;
+use shardlab::pipeline::{partition, pipeline_step, Schedule};
+use shardlab::prelude::*;
+
+const ROWS: usize = 8;
+
+fn setup() -> (GptConfig, Batch) {
+    let cfg = GptConfig { vocab_size: 64, block_size: 16, n_layer: 2, n_head: 2, n_embd: 32 };
+    let data = synthetic_corpus(4000, 3);
+    let batch = DistributedSampler::new(cfg.block_size as usize, ROWS, 0, 1, 5).unwrap().batch(&data, 0);
+    (cfg, batch)
+}
+
+fn reference() -> (f64, Vec<Vec<f32>>) {
+    let (cfg, batch) = setup();
+    let gpt = Gpt::new(cfg, 9).unwrap();
+    let loss = gpt.loss(&batch);
+    loss.backward();
+    let grads = gpt.parameters().iter().map(|p| Vec::<f32>::try_from(p.grad().reshape([-1])).unwrap()).collect();
+    (loss.double_value(&[]), grads)
+}
+
+fn run(p: usize, m: usize, kind: Schedule, backend: Backend, test: &str) -> Vec<(f64, Vec<(usize, Vec<f32>)>, usize)> {
+    let mut opts = SpawnOptions::new(p, backend);
+    if backend == Backend::Tcp {
+        opts = opts.child_args(vec!["--exact".into(), test.into(), "--nocapture".into(), "--test-threads=1".into()]);
+    }
+    spawn_with(opts, move |pg| {
+        let (cfg, batch) = setup();
+        let gpt = Gpt::new(cfg, 9)?; // the same weights on every rank; each computes its stages
+        let step = pipeline_step(pg, &gpt, kind, &batch, m, cfg.n_embd)?;
+        let grads = step.grads.iter().map(|(&k, g)| (k, Vec::<f32>::try_from(g.reshape([-1])).unwrap())).collect();
+        Ok((step.loss, grads, step.peak_in_flight))
+    })
+    .unwrap()
+}
+
+fn check(out: Vec<(f64, Vec<(usize, Vec<f32>)>, usize)>, p: usize, m: usize, kind: Schedule) {
+    let (loss, grads) = reference();
+    let (cfg, _) = setup();
+    let parts = partition(cfg.n_layer as usize + 2, p).unwrap();
+    let mut seen = vec![false; grads.len()];
+    for (r, (l, g, peak)) in out.into_iter().enumerate() {
+        let what = format!("{kind:?} p={p} m={m} rank {r} (stages {:?})", parts[r]);
+        assert!((l - loss).abs() < 1e-5, "{what}: loss {l}, one process {loss}");
+        for (k, got) in g {
+            seen[k] = true;
+            let worst = got.iter().zip(&grads[k]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-5, "{what}: the gradient of parameter {k} differs from one process by {worst}");
+        }
+        let want = if kind == Schedule::GPipe { m } else { (p - r).min(m) };
+        assert_eq!(peak, want, "{what}: micro-batches whose activations the rank held at once");
+    }
+    assert!(seen.iter().all(|&s| s), "{kind:?} p={p}: every parameter's gradient is on some rank");
+}
+
+#[test]
+fn pipeline_matches_one_process_local() {
+    for kind in [Schedule::GPipe, Schedule::OneFOneB] {
+        for (p, m) in [(2, 4), (4, 4), (3, 2), (4, 8)] {
+            check(run(p, m, kind, Backend::Local, ""), p, m, kind);
+        }
+    }
+}
+
+#[test]
+fn pipeline_1f1b_matches_one_process_tcp() {
+    let out = run(4, 4, Schedule::OneFOneB, Backend::Tcp, "pipeline_1f1b_matches_one_process_tcp");
+    check(out, 4, 4, Schedule::OneFOneB);
+}
+
+#[test]
+fn bad_pipelines_are_refused_on_every_rank() {
+    let out = spawn(2, Backend::Local, move |pg| {
+        let (cfg, batch) = setup();
+        let gpt = Gpt::new(cfg, 9)?;
+        let m3 = pipeline_step(pg, &gpt, Schedule::GPipe, &batch, 3, cfg.n_embd).err().map(|e| e.to_string());
+        Ok(m3.unwrap_or_default())
+    })
+    .unwrap();
+    assert!(out.iter().all(|e| e.contains("3 micro-batches do not divide a batch of 8 rows")), "{out:?}");
+    assert!(partition(4, 5).unwrap_err().contains("5 pipeline ranks for a model of 4 stages"));
+}
