@@ -88,3 +88,36 @@ fn bad_pipelines_are_refused_on_every_rank() {
     assert!(out.iter().all(|e| e.contains("3 micro-batches do not divide a batch of 8 rows")), "{out:?}");
     assert!(partition(4, 5).unwrap_err().contains("5 pipeline ranks for a model of 4 stages"));
 }
+
+/// Data × pipeline parallel on a 2 × 2 mesh: each dp replica pipelines its half of the batch over
+/// its pp pair (1F1B, 2 micro-batches), then the replicas average their gradients over dp. The
+/// result is one process's step on the whole batch (1e-5).
+#[test]
+fn dp_times_pp_on_a_2x2_mesh_matches_one_process() {
+    let out = spawn(4, Backend::Local, |pg| {
+        let mesh = DeviceMesh::new(pg, &[2, 2], &["dp", "pp"])?;
+        let (cfg, batch) = setup();
+        let half = (ROWS / 2) as i64;
+        let d = mesh.coord("dp") as i64;
+        let mine = batch.rows(d * half, (d + 1) * half);
+        let gpt = Gpt::new(cfg, 9)?;
+        let mut step = pipeline_step(mesh.group("pp"), &gpt, Schedule::OneFOneB, &mine, 2, cfg.n_embd)?;
+        let mut loss = Tensor::from_slice(&[step.loss]);
+        mesh.group("dp").all_reduce(&mut loss, ReduceOp::Avg)?;
+        for g in step.grads.values_mut() {
+            mesh.group("dp").all_reduce(g, ReduceOp::Avg)?;
+        }
+        let grads: Vec<(usize, Vec<f32>)> =
+            step.grads.iter().map(|(&k, g)| (k, Vec::<f32>::try_from(g.reshape([-1])).unwrap())).collect();
+        Ok((loss.double_value(&[0]), grads, mesh.coord("pp")))
+    })
+    .unwrap();
+    let (loss, grads) = reference();
+    for (r, (l, g, pp)) in out.into_iter().enumerate() {
+        assert!((l - loss).abs() < 1e-5, "rank {r}: loss {l}, one process {loss}");
+        for (k, got) in g {
+            let worst = got.iter().zip(&grads[k]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-5, "rank {r} (pp stage {pp}): parameter {k}'s gradient differs by {worst}");
+        }
+    }
+}
