@@ -122,6 +122,7 @@ impl Timeline {
 /// `t_f` and a backward `t_b`, `F i` on stage s waits for `F i` on stage s−1, `B i` waits for `B i`
 /// on stage s+1 (the last stage's backward follows its own forward), and sends take no time.
 pub fn simulate(kind: Schedule, stages: usize, micro_batches: usize, t_f: f64, t_b: f64) -> Timeline {
+    check(stages, micro_batches).expect("simulate: a pipeline shape");
     let (p, m) = (stages, micro_batches);
     let plans: Vec<Vec<Op>> = (0..p).map(|s| schedule(kind, p, m, s)).collect();
     // end[s][i]: when F i / B i ended on stage s (None: not yet).
@@ -247,8 +248,9 @@ pub struct PipelineStep {
     /// `named_parameters`), summed over micro-batches — tied parameters used on several ranks
     /// (the GPT's embedding, also its output head) summed over those ranks too.
     pub grads: BTreeMap<usize, Tensor>,
-    /// When each of this rank's operations ran (seconds from the step's start): the pipeline
-    /// diagram, measured.
+    /// When each of this rank's operations computed (seconds from the step's start; from after
+    /// the receive it waited for to before its send), in schedule order: the pipeline diagram,
+    /// measured. `Slot::stage` is the pipeline rank.
     pub slots: Vec<Slot>,
     /// The most micro-batches whose activations this rank held at once.
     pub peak_in_flight: usize,
@@ -286,6 +288,17 @@ pub fn pipeline_step(
         return Err(bad(format!("{micro_batches} micro-batches do not divide a batch of {rows} rows")));
     }
     let mb = rows / micro_batches as i64;
+    // The GPT's loss is the mean over targets other than −1: micro-batch i's mean weighs
+    // (its targets) / (the batch's), so that the step's loss is the batch's mean. Every rank
+    // has the batch: no communication.
+    let counts: Vec<f64> = (0..micro_batches as i64)
+        .map(|i| batch.y.narrow(0, i * mb, mb).ne(-1).sum(Kind::Int64).int64_value(&[]) as f64)
+        .collect();
+    if let Some(i) = counts.iter().position(|&c| c == 0.0) {
+        return Err(bad(format!("micro-batch {i} has no target (all −1): its mean loss is undefined")));
+    }
+    let total: f64 = counts.iter().sum();
+    let weight: Vec<f64> = counts.iter().map(|c| c / total).collect();
     let mine = parts[r].clone();
     let last = r + 1 == p;
     // Which parameters each rank's stages use.
@@ -302,11 +315,22 @@ pub fn pipeline_step(
     let mut saved: Vec<Option<(Option<Tensor>, Tensor)>> = (0..micro_batches).map(|_| None).collect();
     let (mut held, mut peak, mut losses) = (0usize, 0usize, 0.0f64);
     let act = |_: usize| Tensor::zeros([mb, t, hidden], (Kind::Float, batch.x.device()));
+    // A send may block until the receiver reads (a full socket or shared-memory ring; NCCL always
+    // waits for its peer). Two neighbours that both send first deadlock: in 1F1B's steady state
+    // rank r sends activation i while rank r + 1 sends it gradient j. So rank r holds an
+    // activation back until it has received the gradient that rank r + 1 sends before reading
+    // that activation (Megatron pairs them in one send_forward_recv_backward).
+    let next_plan = if last { Vec::new() } else { schedule(kind, p, micro_batches, r + 1) };
+    let pos = |op: Op| next_plan.iter().position(|&o| o == op);
+    let mut held_back: Vec<(usize, Tensor)> = Vec::new(); // (micro-batch, activation) not yet sent
     pg.barrier()?;
     let t0 = Instant::now();
     let mut slots = Vec::new();
-    for op in schedule(kind, p, micro_batches, r) {
-        let start = t0.elapsed().as_secs_f64();
+    let plan = schedule(kind, p, micro_batches, r);
+    for (n, &op) in plan.iter().enumerate() {
+        // The slot is the compute: from after the receive that op waits for to before its send
+        // (waiting for a neighbour is the bubble, not work).
+        let (start, end);
         match op {
             Op::Forward(i) => {
                 let part = batch.rows(i as i64 * mb, (i as i64 + 1) * mb);
@@ -317,14 +341,34 @@ pub fn pipeline_step(
                     pg.recv(&mut x, r - 1)?; // (mb, T, hidden) from the previous stage
                     Some(x.set_requires_grad(true))
                 };
+                start = t0.elapsed().as_secs_f64();
                 let mut x = x_leaf.as_ref().map_or_else(Tensor::new, |x| x.shallow_clone());
                 for s in mine.clone() {
                     x = model.stage_forward(s, &x, &part);
                 }
+                end = t0.elapsed().as_secs_f64();
                 if last {
-                    losses += x.double_value(&[]);
+                    losses += x.double_value(&[]) * weight[i];
                 } else {
-                    pg.send(&x.detach(), r + 1)?;
+                    let want = [mb, t, hidden];
+                    if x.size() != want || x.kind() != Kind::Float {
+                        let e = format!(
+                            "stage output {:?} {:?}, but the pipeline sends (rows, T, hidden) = {want:?} f32",
+                            x.size(),
+                            x.kind()
+                        );
+                        pg.abort(&e);
+                        return Err(bad(e));
+                    }
+                    // Our next backward's gradient comes from rank r + 1; if it sends that before
+                    // reading this activation, receive it first (at that backward).
+                    let next_b = plan[n + 1..].iter().find(|o| matches!(o, Op::Backward(_))).copied();
+                    let theirs_first = next_b.is_some_and(|b| pos(b) < pos(Op::Forward(i)));
+                    if theirs_first {
+                        held_back.push((i, x.detach()));
+                    } else {
+                        pg.send(&x.detach(), r + 1)?;
+                    }
                 }
                 saved[i] = Some((x_leaf, x));
                 held += 1;
@@ -334,19 +378,25 @@ pub fn pipeline_step(
                 let (x_leaf, out) =
                     saved[i].take().ok_or_else(|| bad(format!("backward of micro-batch {i} before its forward")))?;
                 let g_out = if last {
-                    Tensor::from(1.0 / micro_batches as f64).to_kind(Kind::Float)
-                // the mean over micro-batches
+                    // The batch's mean over its targets: micro-batch i weighs its share of them.
+                    Tensor::from(weight[i]).to_kind(Kind::Float)
                 } else {
                     let mut g = act(i);
                     pg.recv(&mut g, r + 1)?; // dL/d(our output) from the next stage
+                                             // Now the activations held back for this gradient can go.
+                    for (_, a) in held_back.drain(..) {
+                        pg.send(&a, r + 1)?;
+                    }
                     g
                 };
+                start = t0.elapsed().as_secs_f64();
                 let mut wrt: Vec<&Tensor> = my_params.iter().map(|&k| &params[k]).collect();
                 if let Some(x) = &x_leaf {
                     wrt.push(x);
                 }
                 let surrogate = (&out * &g_out).sum(Kind::Float);
                 let mut g = Tensor::run_backward(&[&surrogate], &wrt, false, false);
+                end = t0.elapsed().as_secs_f64();
                 if x_leaf.is_some() {
                     let dx = g.pop().expect("dL/dx");
                     pg.send(&dx, r - 1)?;
@@ -360,7 +410,7 @@ pub fn pipeline_step(
                 held -= 1;
             }
         }
-        slots.push(Slot { stage: r, op, start, end: t0.elapsed().as_secs_f64() });
+        slots.push(Slot { stage: r, op, start, end });
     }
     let step_s = t0.elapsed().as_secs_f64();
     // Tied parameters used on several ranks: the lowest user collects the others' gradients,
@@ -386,7 +436,7 @@ pub fn pipeline_step(
         }
     }
     // The loss from the last rank to everyone.
-    let mut l = Tensor::from_slice(&[if last { losses / micro_batches as f64 } else { 0.0 }]);
+    let mut l = Tensor::from_slice(&[if last { losses } else { 0.0 }]);
     pg.broadcast(&mut l, p - 1)?;
     Ok(PipelineStep { loss: l.double_value(&[0]), grads, slots, peak_in_flight: peak, step_s })
 }

@@ -86,6 +86,12 @@ impl TpMlp {
 
     /// y = proj(GELU(fc(x))) for the whole x (B, T, C), the same on every rank of `pg`.
     pub fn forward(&mut self, pg: &ProcessGroup, x: &Tensor) -> CommResult<Tensor> {
+        if self.saved.is_some() {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {}: TpMlp::forward twice without a backward (it keeps one forward's graph)",
+                pg.rank()
+            )));
+        }
         // f: identity forward (x is replicated); a leaf so that backward yields this rank's dx.
         let x_leaf = x.detach().set_requires_grad(true);
         // (B, T, 4C/t) local features, GELU elementwise, then (B, T, C) partial sums.
@@ -219,7 +225,13 @@ impl TpBlock {
     /// (B, T, C) → (B, T, C), the same on every rank of `pg`.
     pub fn forward(&mut self, pg: &ProcessGroup, x: &Tensor) -> CommResult<Tensor> {
         let p = &self.params;
-        let (b, t, c) = x.size3().expect("(B, T, C)");
+        if self.saved.is_some() {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {}: TpBlock::forward twice without a backward (it keeps one forward's graph)",
+                pg.rank()
+            )));
+        }
+        let (b, t, c) = x.size3().map_err(|e| CommError::InvalidArgument(format!("TpBlock input (B, T, C): {e}")))?;
         let heads = self.n_head / pg.world_size() as i64; // this rank's heads
         let hs = c / self.n_head;
         let cl = heads * hs; // C/t: this rank's attention width
@@ -322,7 +334,25 @@ impl TpBlock {
 /// (the row maxima, the sums of exponentials, the target logits). Returns the loss (the same on
 /// every rank) and dL/d(logits) for this rank's columns.
 pub fn vocab_parallel_cross_entropy(pg: &ProcessGroup, logits: &Tensor, targets: &Tensor) -> CommResult<(f64, Tensor)> {
-    let (n, vl) = logits.size2().map_err(|e| CommError::InvalidArgument(format!("logits (N, V/t): {e}")))?;
+    let fail = |m: String| {
+        // A bad argument on one rank: abort, so that the others fail too instead of waiting.
+        let e = format!("rank {}: vocab_parallel_cross_entropy: {m}", pg.rank());
+        pg.abort(&e);
+        CommError::InvalidArgument(e)
+    };
+    let (n, vl) = logits.size2().map_err(|e| fail(format!("logits must be (N, V/t): {e}")))?;
+    if targets.size() != [n] {
+        return Err(fail(format!("targets {:?} for logits {:?}", targets.size(), logits.size())));
+    }
+    let v = vl * pg.world_size() as i64;
+    let targets = targets.to_device(logits.device()).to_kind(Kind::Int64);
+    let (tmin, tmax) = (targets.min().int64_value(&[]), targets.max().int64_value(&[]));
+    if tmin < -1 || tmax >= v {
+        return Err(fail(format!("targets in {tmin}..={tmax}: ids must be in 0..{v}, or −1 (ignored)")));
+    }
+    // Targets −1 are ignored, as the GPT's loss ignores them: the mean is over the others.
+    let valid = targets.ne(-1).to_kind(Kind::Float);
+    let count = valid.sum(Kind::Float).double_value(&[]).max(1.0);
     let lo = pg.rank() as i64 * vl;
     let z = logits.detach().to_kind(Kind::Float);
     // (N,) max over the whole vocabulary, for a stable exp.
@@ -338,10 +368,10 @@ pub fn vocab_parallel_cross_entropy(pg: &ProcessGroup, logits: &Tensor, targets:
     let picked = z.gather(1, &idx.unsqueeze(1), false).squeeze_dim(1) * mine.to_kind(Kind::Float);
     let mut zt = picked;
     pg.all_reduce(&mut zt, ReduceOp::Sum)?;
-    let loss = (sum.log() + &m - zt).mean(Kind::Float).double_value(&[]);
-    // dL/dz = (softmax − one-hot) / N, this rank's columns.
+    let loss = ((sum.log() + &m - zt) * &valid).sum(Kind::Float).double_value(&[]) / count;
+    // dL/dz = (softmax − one-hot) / (targets counted), this rank's columns; 0 for ignored rows.
     let onehot = Tensor::zeros([n, vl], (Kind::Float, z.device())).scatter_value(1, &idx.unsqueeze(1), 1.0)
         * mine.to_kind(Kind::Float).unsqueeze(1);
-    let grad = (e / sum.unsqueeze(1) - onehot) / n as f64;
+    let grad = (e / sum.unsqueeze(1) - onehot) * valid.unsqueeze(1) / count;
     Ok((loss, grad))
 }

@@ -12,14 +12,27 @@ use shardlab::prelude::*;
 const ROWS: usize = 8;
 
 fn setup() -> (GptConfig, Batch) {
+    setup_with(true)
+}
+
+fn setup_with(ignored: bool) -> (GptConfig, Batch) {
     let cfg = GptConfig { vocab_size: 64, block_size: 16, n_layer: 2, n_head: 2, n_embd: 32 };
     let data = synthetic_corpus(4000, 3);
     let batch = DistributedSampler::new(cfg.block_size as usize, ROWS, 0, 1, 5).unwrap().batch(&data, 0);
+    // Targets −1 (ignored by the loss) in the first row: micro-batches then hold different numbers
+    // of targets, and the batch's mean weighs each micro-batch's mean by its share.
+    if ignored {
+        let _ = batch.y.narrow(0, 0, 1).narrow(1, 0, 11).fill_(-1);
+    }
     (cfg, batch)
 }
 
 fn reference() -> (f64, Vec<Vec<f32>>) {
-    let (cfg, batch) = setup();
+    reference_with(true)
+}
+
+fn reference_with(ignored: bool) -> (f64, Vec<Vec<f32>>) {
+    let (cfg, batch) = setup_with(ignored);
     let gpt = Gpt::new(cfg, 9).unwrap();
     let loss = gpt.loss(&batch);
     loss.backward();
@@ -36,6 +49,13 @@ fn run(p: usize, m: usize, kind: Schedule, backend: Backend, test: &str) -> Vec<
         let (cfg, batch) = setup();
         let gpt = Gpt::new(cfg, 9)?; // the same weights on every rank; each computes its stages
         let step = pipeline_step(pg, &gpt, kind, &batch, m, cfg.n_embd)?;
+        // The measured diagram: this rank's operations in its schedule's order, each a slot of
+        // compute inside the step; a rank that is not the first waits for its first input.
+        let ops: Vec<_> = step.slots.iter().map(|s| s.op).collect();
+        anyhow::ensure!(ops == shardlab::pipeline::schedule(kind, p, m, pg.rank()), "slots out of schedule order");
+        anyhow::ensure!(step.slots.iter().all(|s| 0.0 <= s.start && s.start <= s.end && s.end <= step.step_s), "slots");
+        anyhow::ensure!(pg.rank() == 0 || step.slots[0].start > 0.0, "rank {} never waited", pg.rank());
+        anyhow::ensure!((0.0..1.0).contains(&step.bubble()), "bubble {}", step.bubble());
         let grads = step.grads.iter().map(|(&k, g)| (k, Vec::<f32>::try_from(g.reshape([-1])).unwrap())).collect();
         Ok((step.loss, grads, step.peak_in_flight))
     })
@@ -91,12 +111,13 @@ fn bad_pipelines_are_refused_on_every_rank() {
 
 /// Data × pipeline parallel on a 2 × 2 mesh: each dp replica pipelines its half of the batch over
 /// its pp pair (1F1B, 2 micro-batches), then the replicas average their gradients over dp. The
-/// result is one process's step on the whole batch (1e-5).
+/// result is one process's step on the whole batch (1e-5). (No ignored targets here: averaging
+/// over dp is a mean of the replicas' means, as in DDP.)
 #[test]
 fn dp_times_pp_on_a_2x2_mesh_matches_one_process() {
     let out = spawn(4, Backend::Local, |pg| {
         let mesh = DeviceMesh::new(pg, &[2, 2], &["dp", "pp"])?;
-        let (cfg, batch) = setup();
+        let (cfg, batch) = setup_with(false);
         let half = (ROWS / 2) as i64;
         let d = mesh.coord("dp") as i64;
         let mine = batch.rows(d * half, (d + 1) * half);
@@ -112,12 +133,36 @@ fn dp_times_pp_on_a_2x2_mesh_matches_one_process() {
         Ok((loss.double_value(&[0]), grads, mesh.coord("pp")))
     })
     .unwrap();
-    let (loss, grads) = reference();
+    let (loss, grads) = reference_with(false);
     for (r, (l, g, pp)) in out.into_iter().enumerate() {
         assert!((l - loss).abs() < 1e-5, "rank {r}: loss {l}, one process {loss}");
         for (k, got) in g {
             let worst = got.iter().zip(&grads[k]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(worst < 1e-5, "rank {r} (pp stage {pp}): parameter {k}'s gradient differs by {worst}");
         }
+    }
+}
+
+/// Activations larger than a socket's or a shared-memory ring's buffer (4 MiB per send), so a send
+/// blocks until its receiver reads: in 1F1B's steady state two neighbours would both send first
+/// and wait forever. The executor holds an activation back until it has received the gradient its
+/// neighbour sends first; the step completes, with one process's loss.
+#[test]
+fn pipeline_1f1b_with_blocking_sends_tcp() {
+    const TEST: &str = "pipeline_1f1b_with_blocking_sends_tcp";
+    let cfg = GptConfig { vocab_size: 64, block_size: 64, n_layer: 2, n_head: 4, n_embd: 256 };
+    let rows = 256usize; // 4 micro-batches of 64 rows: (64, 64, 256) f32 = 4 MiB per activation
+    let batch = || DistributedSampler::new(64, rows, 0, 1, 5).unwrap().batch(&synthetic_corpus(20_000, 3), 0);
+    let opts = SpawnOptions::new(4, Backend::Tcp)
+        .config(CommConfig::default().with_timeout(std::time::Duration::from_secs(60)))
+        .child_args(vec!["--exact".into(), TEST.into(), "--nocapture".into(), "--test-threads=1".into()]);
+    let out = spawn_with(opts, move |pg| {
+        let gpt = Gpt::new(cfg, 9)?;
+        Ok(pipeline_step(pg, &gpt, Schedule::OneFOneB, &batch(), 4, cfg.n_embd)?.loss)
+    })
+    .unwrap();
+    let want = Gpt::new(cfg, 9).unwrap().loss(&batch()).double_value(&[]);
+    for (r, l) in out.into_iter().enumerate() {
+        assert!((l - want).abs() < 1e-5, "rank {r}: loss {l}, one process {want}");
     }
 }

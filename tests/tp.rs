@@ -115,6 +115,18 @@ fn mlp_split_column_then_row_matches_one_process() {
     assert!(row_shard(&Tensor::zeros([6, 4], (Kind::Float, Device::Cpu)), 4, 3).is_ok());
 }
 
+/// The GPT with every block parameter moved off its init (biases 0 and LayerNorm gains 1 would
+/// hide a bias added t times or a gain applied to the wrong slice).
+fn perturbed(cfg: GptConfig) -> Gpt {
+    let gpt = Gpt::new(cfg, 3).unwrap();
+    tch::no_grad(|| {
+        for (i, p) in gpt.parameters().iter_mut().enumerate().skip(2).take(12) {
+            let _ = p.g_add_(&wave(&p.size(), 0.1 + i as f64 * 0.37, 0.2));
+        }
+    });
+    gpt
+}
+
 /// A whole GPT block split by heads and column → row, against the GPT's own block and libtorch's
 /// autograd on one process: output, dL/dx and every parameter's gradient (the slices gathered
 /// back) within 2e-5; four all-reduces of B·T·C f32 per block (two forward, two backward).
@@ -122,7 +134,7 @@ fn mlp_split_column_then_row_matches_one_process() {
 fn gpt_block_split_by_heads_matches_the_gpt() {
     use shardlab::tp::TpBlock;
     let cfg = GptConfig { vocab_size: 32, block_size: 8, n_layer: 1, n_head: 4, n_embd: 16 };
-    let gpt = Gpt::new(cfg, 3).unwrap();
+    let gpt = perturbed(cfg);
     let (x, dy) = (wave(&[B, T, 16], 0.53, 1.0), wave(&[B, T, 16], 0.91, 1.0));
     let x1 = x.copy().set_requires_grad(true);
     let y = gpt.block(0, &x1);
@@ -132,7 +144,7 @@ fn gpt_block_split_by_heads_matches_the_gpt() {
     reference.extend(block.iter().map(|p| p.grad()));
     for tp in [2usize, 4] {
         let out = spawn(tp, Backend::Local, move |pg| {
-            let gpt = Gpt::new(cfg, 3)?; // every rank builds the full weights alike and keeps its slices
+            let gpt = perturbed(cfg); // every rank builds the full weights alike and keeps its slices
             let full: Vec<Tensor> = gpt.parameters()[2..14].iter().map(|p| p.detach()).collect();
             let mut b = TpBlock::from_full(&full, cfg.n_head, pg).map_err(anyhow::Error::msg)?;
             let (x, dy) = (wave(&[B, T, 16], 0.53, 1.0), wave(&[B, T, 16], 0.91, 1.0));
@@ -177,16 +189,17 @@ fn vocab_parallel_cross_entropy_matches_the_full_loss() {
     use shardlab::tp::vocab_parallel_cross_entropy;
     let (n, v) = (10i64, 24i64);
     let logits = wave(&[n, v], 0.77, 3.0);
-    let targets = Tensor::from_slice(&[0i64, 5, 23, 12, 11, 6, 18, 1, 17, 9]);
+    // Two targets −1: ignored, as the GPT's loss ignores them.
+    let targets = Tensor::from_slice(&[0i64, 5, 23, -1, 11, 6, 18, 1, -1, 9]);
     let z = logits.copy().set_requires_grad(true);
-    let loss = z.cross_entropy_loss::<Tensor>(&targets, None, tch::Reduction::Mean, -100, 0.0);
+    let loss = z.cross_entropy_loss::<Tensor>(&targets, None, tch::Reduction::Mean, -1, 0.0);
     loss.backward();
     let (want_loss, want_grad) = (loss.double_value(&[]), z.grad());
     for tp in [2usize, 3, 4] {
         let out = spawn(tp, Backend::Local, move |pg| {
             let vl = v / pg.world_size() as i64;
             let logits = wave(&[n, v], 0.77, 3.0).narrow(1, pg.rank() as i64 * vl, vl);
-            let targets = Tensor::from_slice(&[0i64, 5, 23, 12, 11, 6, 18, 1, 17, 9]);
+            let targets = Tensor::from_slice(&[0i64, 5, 23, -1, 11, 6, 18, 1, -1, 9]);
             let before = pg.stats();
             let (loss, grad) = vocab_parallel_cross_entropy(pg, &logits, &targets)?;
             let sent = pg.stats().calls(OpKind::AllReduce) - before.calls(OpKind::AllReduce);
@@ -205,4 +218,16 @@ fn vocab_parallel_cross_entropy_matches_the_full_loss() {
             assert_eq!(calls, 3, "tp={tp} rank {rank}: all-reduces");
         }
     }
+    // A target out of range on one rank: every rank fails (the bad one aborts the group).
+    let out = spawn_with(SpawnOptions::new(2, Backend::Local), move |pg| {
+        let logits = wave(&[n, v / 2], 0.77, 3.0);
+        let t = if pg.rank() == 1 { 99i64 } else { 3 };
+        let targets = Tensor::from_slice(&[t; 10]);
+        Ok(vocab_parallel_cross_entropy(pg, &logits, &targets).err().map(|e| e.to_string()).unwrap_or_default())
+    });
+    let text = match out {
+        Ok(v) => format!("{v:?}"),
+        Err(e) => e.to_string(),
+    };
+    assert!(text.contains("ids must be in 0..24"), "{text}");
 }
