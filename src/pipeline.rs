@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "lowercase")]
 pub enum Schedule {
     /// All forwards, then all backwards.
+    #[value(name = "gpipe")]
     GPipe,
     /// Warm-up forwards, then one forward one backward, then the remaining backwards.
     #[value(name = "1f1b")]
@@ -123,8 +124,18 @@ impl Timeline {
 /// on stage s+1 (the last stage's backward follows its own forward), and sends take no time.
 pub fn simulate(kind: Schedule, stages: usize, micro_batches: usize, t_f: f64, t_b: f64) -> Timeline {
     check(stages, micro_batches).expect("simulate: a pipeline shape");
-    let (p, m) = (stages, micro_batches);
-    let plans: Vec<Vec<Op>> = (0..p).map(|s| schedule(kind, p, m, s)).collect();
+    let plans: Vec<Vec<Op>> = (0..stages).map(|s| schedule(kind, stages, micro_batches, s)).collect();
+    simulate_plans(&plans, t_f, t_b).expect("GPipe and 1F1B never deadlock")
+}
+
+/// [`simulate`] for any plans (one per stage, each a list of that stage's operations in order):
+/// an error if they can never finish (a stage waiting for an operation that waits for it).
+pub fn simulate_plans(plans: &[Vec<Op>], t_f: f64, t_b: f64) -> Result<Timeline, String> {
+    let p = plans.len();
+    let m = plans.iter().flatten().map(|o| match *o {
+        Op::Forward(i) | Op::Backward(i) => i + 1,
+    });
+    let m = m.max().unwrap_or(0);
     // end[s][i]: when F i / B i ended on stage s (None: not yet).
     let mut f_end = vec![vec![None::<f64>; m]; p];
     let mut b_end = vec![vec![None::<f64>; m]; p];
@@ -165,11 +176,38 @@ pub fn simulate(kind: Schedule, stages: usize, micro_batches: usize, t_f: f64, t
                 progressed = true;
             }
         }
-        if next.iter().zip(&plans).all(|(n, pl)| *n == pl.len()) {
-            return Timeline { stages: out };
+        if next.iter().zip(plans).all(|(n, pl)| *n == pl.len()) {
+            return Ok(Timeline { stages: out });
         }
-        assert!(progressed, "schedule {kind:?} deadlocks with {p} stages and {m} micro-batches");
+        if !progressed {
+            let stuck: Vec<String> = (0..p)
+                .filter(|&s| next[s] < plans[s].len())
+                .map(|s| format!("stage {s} at {:?}", plans[s][next[s]]))
+                .collect();
+            return Err(format!("the plans deadlock: {}", stuck.join(", ")));
+        }
     }
+}
+
+/// An ASCII pipeline diagram of `t`, one row per stage, one column per `unit` of time: the
+/// micro-batch's digit (mod 10) for its forward, a letter for its backward (a = 0, b = 1, …),
+/// `.` for idle.
+pub fn ascii_diagram(t: &Timeline, unit: f64) -> String {
+    let cols = (t.makespan() / unit).round() as usize;
+    let mut out = String::new();
+    for (s, slots) in t.stages.iter().enumerate() {
+        let mut row = vec!['.'; cols];
+        for x in slots {
+            let (a, b) = ((x.start / unit).round() as usize, (x.end / unit).round() as usize);
+            let ch = match x.op {
+                Op::Forward(i) => char::from(b'0' + (i % 10) as u8),
+                Op::Backward(i) => char::from(b'a' + (i % 26) as u8),
+            };
+            row[a.min(cols)..b.min(cols)].iter_mut().for_each(|c| *c = ch);
+        }
+        out.push_str(&format!("stage {s} |{}|\n", row.into_iter().collect::<String>()));
+    }
+    out
 }
 
 /// The bubble of GPipe and 1F1B with equal stages: (p − 1)/(m + p − 1).

@@ -381,6 +381,50 @@ fn error_svg(msg: &str) -> String {
     )
 }
 
+/// A pipeline diagram (lesson 13): one row per rank, a box per operation from its start to its
+/// end (seconds), forwards light and backwards dark, each labelled with its micro-batch; the
+/// white between boxes is the bubble. `rows[r]` holds rank r's `(start, end, micro-batch,
+/// is_forward)`.
+pub fn timeline_svg(title: &str, rows: &[Vec<(f64, f64, usize, bool)>]) -> String {
+    const W: f64 = 760.0;
+    const LEFT: f64 = 70.0;
+    const ROW: f64 = 28.0;
+    let end = rows.iter().flatten().map(|x| x.1).fold(0.0, f64::max).max(1e-12);
+    let x = |t: f64| LEFT + (W - LEFT - 10.0) * t / end;
+    let h = 40.0 + ROW * rows.len() as f64 + 24.0;
+    let esc = title.replace('&', "&amp;").replace('<', "&lt;");
+    let mut svg = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{h}" font-family="sans-serif" font-size="11"><text x="8" y="18" font-size="13">{esc}</text>"#
+    );
+    for (r, ops) in rows.iter().enumerate() {
+        let y = 30.0 + ROW * r as f64;
+        svg.push_str(&format!(r#"<text x="8" y="{}">rank {r}</text>"#, y + 17.0));
+        for &(a, b, i, fwd) in ops {
+            let (fill, ink) = if fwd { ("#9ecae1", "#08306b") } else { ("#3182bd", "#ffffff") };
+            let (xa, xb) = (x(a), x(b).max(x(a) + 1.0));
+            svg.push_str(&format!(
+                r##"<rect x="{xa:.1}" y="{y}" width="{:.1}" height="{}" fill="{fill}" stroke="#ffffff"/>"##,
+                xb - xa,
+                ROW - 4.0
+            ));
+            if xb - xa > 12.0 {
+                svg.push_str(&format!(
+                    r#"<text x="{:.1}" y="{}" fill="{ink}" text-anchor="middle">{i}</text>"#,
+                    (xa + xb) / 2.0,
+                    y + 16.0
+                ));
+            }
+        }
+    }
+    let yb = 30.0 + ROW * rows.len() as f64 + 14.0;
+    svg.push_str(&format!(
+        r#"<text x="{LEFT}" y="{yb}">0</text><text x="{}" y="{yb}" text-anchor="end">{:.1} ms (light: forward, dark: backward, white: idle)</text></svg>"#,
+        W - 10.0,
+        end * 1e3
+    ));
+    svg
+}
+
 /// Print an SVG so that evcxr shows it as an image.
 pub fn show_svg(svg: &str) {
     println!("EVCXR_BEGIN_CONTENT image/svg+xml\n{svg}\nEVCXR_END_CONTENT");

@@ -1,0 +1,107 @@
+//! Grader for lesson 13 (pipeline parallelism).
+//!
+//! Written once, run twice (`shardlab::graders!`): `solution::exK_…` against the reference answers in
+//! `solutions/`, `exercise::exK_…` against your `lessons/13_pipeline_parallel/exercise.rs`.
+//! `cargo test` skips exercises you have not started; `cargo grade 13` grades them all strictly.
+//! A test named `exK_…` grades exercise K; its failure message says what went wrong.
+
+#[path = "../lessons/13_pipeline_parallel/exercise.rs"]
+mod exercise_code;
+#[path = "../solutions/13_pipeline_parallel.rs"]
+mod solution_code;
+
+use shardlab::pipeline::{Op, Schedule, Slot};
+
+shardlab::graders! {
+    lesson: "13", exercise_file: "lessons/13_pipeline_parallel/exercise.rs";
+
+    fn f(i: usize) -> Op {
+        Op::Forward(i)
+    }
+    fn b(i: usize) -> Op {
+        Op::Backward(i)
+    }
+
+    #[test]
+    fn ex1_one_f_one_b_in_megatrons_order() {
+        // Written out by hand (Narayanan et al. 2021, fig. 4; Megatron-LM's schedule): p = 4, m = 8.
+        assert_eq!(
+            one_f_one_b(4, 8, 0),
+            vec![f(0), f(1), f(2), f(3), b(0), f(4), b(1), f(5), b(2), f(6), b(3), f(7), b(4), b(5), b(6), b(7)],
+            "stage 0 of 4: 3 warm-up forwards, then F3 B0 F4 B1 …, then the last backwards"
+        );
+        assert_eq!(
+            one_f_one_b(4, 8, 3),
+            vec![f(0), b(0), f(1), b(1), f(2), b(2), f(3), b(3), f(4), b(4), f(5), b(5), f(6), b(6), f(7), b(7)],
+            "the last stage has no warm-up: F0 B0 F1 B1 …"
+        );
+        assert_eq!(one_f_one_b(4, 2, 0), vec![f(0), f(1), b(0), b(1)], "m = 2 below the warm-up of 3: all forwards, then all backwards");
+        assert_eq!(one_f_one_b(1, 3, 0), vec![f(0), b(0), f(1), b(1), f(2), b(2)], "one stage: forward, backward, …");
+        for p in 1..=6 {
+            for m in 1..=9 {
+                for s in 0..p {
+                    let ops = one_f_one_b(p, m, s);
+                    assert_eq!(ops, shardlab::pipeline::schedule(Schedule::OneFOneB, p, m, s), "p={p} m={m} stage {s}");
+                    let (mut held, mut peak) = (0i64, 0i64);
+                    for o in &ops {
+                        held += if matches!(o, Op::Forward(_)) { 1 } else { -1 };
+                        peak = peak.max(held);
+                    }
+                    assert!(peak as usize <= p - s, "p={p} m={m} stage {s}: {peak} micro-batches in flight, 1F1B keeps at most p − s");
+                }
+            }
+        }
+    }
+
+    fn plans(kind: Schedule, p: usize, m: usize) -> Vec<Vec<Op>> {
+        (0..p).map(|s| shardlab::pipeline::schedule(kind, p, m, s)).collect()
+    }
+
+    #[test]
+    fn ex2_simulate_times_every_operation() {
+        // p = 2, m = 2, GPipe, t_f = 1, t_b = 2, by hand: stage 0 F0 0–1, F1 1–2; stage 1 F0 1–2,
+        // F1 2–3, B0 3–5, B1 5–7; stage 0 B0 5–7 (after stage 1's B0), B1 7–9.
+        let got = simulate(&plans(Schedule::GPipe, 2, 2), 1.0, 2.0).unwrap_or_else(|e| panic!("GPipe p=2 m=2: {e}"));
+        let times = |s: usize| got[s].iter().map(|x| (x.op, x.start, x.end)).collect::<Vec<_>>();
+        assert_eq!(times(0), vec![(f(0), 0.0, 1.0), (f(1), 1.0, 2.0), (b(0), 5.0, 7.0), (b(1), 7.0, 9.0)], "stage 0 (op, start, end)");
+        assert_eq!(times(1), vec![(f(0), 1.0, 2.0), (f(1), 2.0, 3.0), (b(0), 3.0, 5.0), (b(1), 5.0, 7.0)], "stage 1 (op, start, end)");
+        assert!(got.iter().enumerate().all(|(s, v)| v.iter().all(|x| x.stage == s)), "each slot names its stage");
+        // The bubble of both schedules with equal stages: (p − 1)/(m + p − 1) on every stage.
+        for kind in [Schedule::GPipe, Schedule::OneFOneB] {
+            for (p, m) in [(2, 4), (4, 8), (4, 3), (3, 7)] {
+                let t = simulate(&plans(kind, p, m), 1.0, 2.0).unwrap_or_else(|e| panic!("{kind:?} p={p} m={m}: {e}"));
+                let span = t.iter().flatten().map(|x| x.end).fold(0.0, f64::max);
+                for (s, slots) in t.iter().enumerate() {
+                    let busy: f64 = slots.iter().map(|x| x.end - x.start).sum();
+                    let bubble = 1.0 - busy / span;
+                    let want = (p as f64 - 1.0) / (m + p - 1) as f64;
+                    assert!((bubble - want).abs() < 1e-9, "{kind:?} p={p} m={m} stage {s}: bubble {bubble}, want (p−1)/(m+p−1) = {want}");
+                }
+            }
+        }
+        // A plan that can never finish: stage 1 wants B0 before its F0 happened... a cycle.
+        let stuck = vec![vec![b(0), f(0)], vec![f(0), b(0)]];
+        let e = simulate(&stuck, 1.0, 1.0).expect_err("stage 0 waits for B0 of stage 1, which waits for F0 of stage 0: that never finishes");
+        assert!(e.contains("deadlock"), "say it deadlocks: {e}");
+    }
+
+    #[test]
+    fn ex3_partition_is_contiguous_and_balanced() {
+        assert_eq!(partition(6, 4).unwrap(), vec![0..2, 2..4, 4..5, 5..6], "6 stages on 4 ranks: 2, 2, 1, 1");
+        assert_eq!(partition(4, 4).unwrap(), vec![0..1, 1..2, 2..3, 3..4]);
+        assert_eq!(partition(7, 1).unwrap(), vec![0..7]);
+        for n in 1..=12 {
+            for r in 1..=n {
+                let parts = partition(n, r).unwrap();
+                assert_eq!(parts.len(), r, "{n} stages on {r} ranks: one piece per rank");
+                assert_eq!(parts, shardlab::pipeline::partition(n, r).unwrap(), "{n} stages on {r} ranks");
+            }
+        }
+        let e = partition(4, 5).expect_err("5 ranks for 4 stages: a rank would have nothing to run");
+        assert!(!e.is_empty());
+        assert!(partition(4, 0).is_err(), "0 ranks is an error");
+    }
+}
+
+#[allow(dead_code)]
+fn _uses(_: Slot) {}
