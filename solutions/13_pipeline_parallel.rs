@@ -69,7 +69,11 @@ pub fn simulate(plans: &[Vec<Op>], t_f: f64, t_b: f64) -> Result<Vec<Vec<Slot>>,
             return Ok(out);
         }
         if !moved {
-            return Err("the plans deadlock: every unfinished stage waits for another".into());
+            let stuck: Vec<String> = (0..p)
+                .filter(|&s| next[s] < plans[s].len())
+                .map(|s| format!("stage {s} at {:?}", plans[s][next[s]]))
+                .collect();
+            return Err(format!("the plans deadlock: {}", stuck.join(", ")));
         }
     }
 }
@@ -80,7 +84,7 @@ pub fn simulate(plans: &[Vec<Op>], t_f: f64, t_b: f64) -> Result<Vec<Vec<Slot>>,
 /// than `num_stages` (a rank with nothing to run).
 pub fn partition(num_stages: usize, ranks: usize) -> Result<Vec<Range<usize>>, String> {
     if ranks == 0 || ranks > num_stages {
-        return Err(format!("{ranks} pipeline ranks for {num_stages} stages: every rank needs at least one stage"));
+        return Err(format!("{ranks} pipeline ranks for a model of {num_stages} stages: each rank needs at least one"));
     }
     let (q, extra) = (num_stages / ranks, num_stages % ranks);
     let mut lo = 0;

@@ -79,10 +79,15 @@ shardlab::graders! {
                 }
             }
         }
-        // A plan that can never finish: stage 1 wants B0 before its F0 happened... a cycle.
+        // Plans that can never finish. Stage 0 wants B0 before its F0: stage 1's B0 waits for
+        // stage 1's F0, which waits for stage 0's F0.
         let stuck = vec![vec![b(0), f(0)], vec![f(0), b(0)]];
         let e = simulate(&stuck, 1.0, 1.0).expect_err("stage 0 waits for B0 of stage 1, which waits for F0 of stage 0: that never finishes");
-        assert!(e.contains("deadlock"), "say it deadlocks: {e}");
+        assert!(e.to_lowercase().contains("deadlock"), "say it deadlocks: {e}");
+        // The last stage wants B0 before its own F0: its backward follows its own forward.
+        let stuck = vec![vec![f(0), b(0)], vec![b(0), f(0)]];
+        let e = simulate(&stuck, 1.0, 1.0).expect_err("the last stage's B0 waits for its own F0, which comes after it: a deadlock");
+        assert!(e.to_lowercase().contains("deadlock"), "say it deadlocks: {e}");
     }
 
     #[test]
@@ -98,7 +103,7 @@ shardlab::graders! {
             }
         }
         let e = partition(4, 5).expect_err("5 ranks for 4 stages: a rank would have nothing to run");
-        assert!(!e.is_empty());
+        assert!(!e.is_empty(), "the error should say why");
         assert!(partition(4, 0).is_err(), "0 ranks is an error");
     }
 }

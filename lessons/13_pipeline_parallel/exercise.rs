@@ -24,9 +24,9 @@ pub fn one_f_one_b(stages: usize, micro_batches: usize, stage: usize) -> Vec<Op>
 /// plans can never finish (some stage waits for an operation that waits for it).
 pub fn simulate(plans: &[Vec<Op>], t_f: f64, t_b: f64) -> Result<Vec<Vec<Slot>>, String> {
     // TODO: keep, per stage, the next operation's index and when the stage is free, and per stage
-    // and micro-batch when each forward and backward ended; sweep the stages, running every
-    // operation whose input is ready, until all are done — or no stage can move: a deadlock
-    // (README, "Simulating a pipeline").
+    // and micro-batch when each forward and backward ended; sweep the stages, running each
+    // stage's next operation while its input is ready, until all are done — or no stage can move:
+    // a deadlock (without that check your loop never ends) (README, "Simulating a pipeline").
     todo!()
 }
 

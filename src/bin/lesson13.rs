@@ -146,8 +146,8 @@ fn main() -> anyhow::Result<()> {
     if !a.json {
         println!("  every step's loss = one process's on the same batch ({reference:.6})");
         println!(
-            "  The measured bubble also holds what the formula leaves out: stages of unequal cost (the embeddings are cheap,\n  \
-             the head with its vocabulary projection is not), send and receive time, and 2 cores shared by 4 processes."
+            "  The measured bubble also holds what the formula leaves out: stages of unequal cost (rank 1's two blocks are\n  \
+             the heaviest; the embeddings and the head are lighter), send and receive time, and the cores 4 processes share."
         );
     }
     Ok(())
