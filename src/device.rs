@@ -47,6 +47,20 @@ pub fn resolve(choice: DeviceChoice, local_rank: usize) -> anyhow::Result<Device
     }
 }
 
+/// Load libtorch_cuda.so into this process (where libtorch has one), so that libtorch sees the
+/// GPUs where there are some. The bins link it (build.rs); test binaries do not, and call this
+/// before any libtorch call. The one on LD_LIBRARY_PATH first (a GPU machine's own PyTorch), else
+/// the one this crate was built against. Nothing happens where neither loads.
+pub fn load_libtorch_cuda() {
+    let built = format!("{}/libtorch_cuda.so", option_env!("SHARDLAB_LIBTORCH_LIB").unwrap_or("."));
+    for name in ["libtorch_cuda.so", built.as_str()] {
+        let c = std::ffi::CString::new(name).expect("no NUL in a path");
+        if !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+            return;
+        }
+    }
+}
+
 /// A GPU as the CUDA runtime reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CudaInfo {

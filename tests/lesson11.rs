@@ -161,19 +161,6 @@ shardlab::graders! {
         }
     }
 
-    /// Test binaries do not link libtorch_cuda.so (build.rs links it into the bins only): load it
-    /// before any tensor is made, so that libtorch sees the GPUs where there are some (as
-    /// tests/nccl.rs does). The one on LD_LIBRARY_PATH first, else the one we built against.
-    fn load_libtorch_cuda() {
-        let built = format!("{}/libtorch_cuda.so", env!("SHARDLAB_LIBTORCH_LIB"));
-        for name in ["libtorch_cuda.so", built.as_str()] {
-            let c = std::ffi::CString::new(name).unwrap();
-            if !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
-                return;
-            }
-        }
-    }
-
     /// The GPU for the GPU half of a test, if libtorch sees one (SHARDLAB_EXPECT_GPU=1: it must).
     fn cuda() -> Option<Device> {
         if tch::Cuda::is_available() {
@@ -191,7 +178,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_stage_copies_only_what_must_move_or_be_made_contiguous() {
-        load_libtorch_cuda();
+        shardlab::device::load_libtorch_cuda(); // test binaries do not link it
         let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).reshape([3, 4]);
         let s = stage(&t, Device::Cpu);
         assert_eq!(s.data_ptr(), t.data_ptr(), "a contiguous CPU tensor for a CPU backend: no copy (share its memory)");
@@ -224,7 +211,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_unstage_writes_into_the_callers_memory() {
-        load_libtorch_cuda();
+        shardlab::device::load_libtorch_cuda(); // test binaries do not link it
         // The caller's tensor is a transposed view of a buffer the model reads.
         let base = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
         let mut view = base.tr();

@@ -8,22 +8,9 @@ use shardlab::prelude::*;
 
 const NAME: &str = "nccl_collectives_at_world_size_one";
 
-/// Test binaries do not link libtorch_cuda.so (build.rs links it into the bins only): load it
-/// before any libtorch call, so that libtorch sees the GPUs where there are some. The one on
-/// LD_LIBRARY_PATH first (a GPU machine's own PyTorch), else the one we built against.
-fn load_libtorch_cuda() {
-    let built = format!("{}/libtorch_cuda.so", env!("SHARDLAB_LIBTORCH_LIB"));
-    for name in ["libtorch_cuda.so", built.as_str()] {
-        let c = std::ffi::CString::new(name).unwrap();
-        if !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
-            return;
-        }
-    }
-}
-
 #[test]
 fn nccl_collectives_at_world_size_one() {
-    load_libtorch_cuda();
+    shardlab::device::load_libtorch_cuda();
     let opts = SpawnOptions::new(1, Backend::Nccl).child_args(vec![
         "--exact".into(),
         NAME.into(),

@@ -92,15 +92,27 @@ fn main() -> anyhow::Result<()> {
     // 2. The bubble against m.
     if !a.json {
         println!("Bubble (idle fraction of a step) at p = {P}, both schedules alike:");
-        println!("  {:>4} {:>10} {:>10}", "m", "formula", "simulated");
+        println!(
+            "  {:>4} {:>10} {:>10} {:>13} {:>22}",
+            "m", "formula", "simulated", "step, in t_f", "stage 0 holds: GPipe/1F1B"
+        );
     }
     for m in [1, 2, 4, 8, 16, 32] {
         let formula = pipeline::bubble_fraction(P, m);
-        let sim = pipeline::simulate(Schedule::OneFOneB, P, m, 1.0, 2.0).bubble(0);
+        let (g, o) = (
+            pipeline::simulate(Schedule::GPipe, P, m, 1.0, 2.0),
+            pipeline::simulate(Schedule::OneFOneB, P, m, 1.0, 2.0),
+        );
+        let sim = o.bubble(0);
+        let (span, held) = (o.makespan(), (g.peak_in_flight(0), o.peak_in_flight(0)));
         if a.json {
-            println!("{}", json!({"section": "bubble", "p": P, "m": m, "formula": formula, "simulated": sim}));
+            println!(
+                "{}",
+                json!({"section": "bubble", "p": P, "m": m, "formula": formula, "simulated": sim, "step_t_f": span,
+                       "stage0_holds_gpipe": held.0, "stage0_holds_1f1b": held.1})
+            );
         } else {
-            println!("  {m:>4} {formula:>10.4} {sim:>10.4}");
+            println!("  {m:>4} {formula:>10.4} {sim:>10.4} {span:>13} {:>22}", format!("{} / {}", held.0, held.1));
         }
     }
     // 3. Measured.
