@@ -231,3 +231,162 @@ fn vocab_parallel_cross_entropy_matches_the_full_loss() {
     };
     assert!(text.contains("ids must be in 0..24"), "{text}");
 }
+
+// ---- The whole GPT under tensor parallelism (TpGpt) ----
+
+const GPT: GptConfig = GptConfig { vocab_size: 64, block_size: 16, n_layer: 2, n_head: 4, n_embd: 32 };
+const ROWS: usize = 8;
+const STEPS: u64 = 3;
+
+fn batch(step: u64) -> Batch {
+    let data = shardlab::data::synthetic_corpus(4000, 3);
+    DistributedSampler::new(GPT.block_size as usize, ROWS, 0, 1, 5).unwrap().batch(&data, step)
+}
+
+fn opt() -> AdamW {
+    AdamW::new(AdamWConfig { lr: 3e-3, ..Default::default() })
+}
+
+/// One process: the GPT's own forward, libtorch's autograd, the same AdamW on whole tensors and
+/// the same clipping (PyTorch's clip_grad_norm_ rule). Losses per step, the first step's
+/// gradients and the final parameters.
+fn one_process() -> (Vec<f64>, Vec<Tensor>, Vec<Tensor>) {
+    use shardlab::optim::{clip_coef, global_norm, Decay};
+    let gpt = Gpt::new(GPT, 9).unwrap();
+    let mut o = opt();
+    let (mut losses, mut first) = (vec![], vec![]);
+    for step in 0..STEPS {
+        let params = gpt.parameters();
+        shardlab::model::zero_grads(&params);
+        let loss = gpt.loss(&batch(step));
+        loss.backward();
+        let grads: Vec<Tensor> = params.iter().map(|p| p.grad().copy()).collect();
+        if step == 0 {
+            first = grads.iter().map(|g| g.copy()).collect();
+        }
+        let k = clip_coef(global_norm(&grads), 1.0);
+        let grads: Vec<Tensor> = grads.iter().map(|g| g * k).collect();
+        let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
+        o.step(3e-3, &params, &grads, &decay).unwrap();
+        losses.push(loss.double_value(&[]));
+    }
+    (losses, first, gpt.parameters().iter().map(|p| p.detach().copy()).collect())
+}
+
+type TpOut = (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>, u64, u64, u64);
+
+/// `STEPS` steps of TpGpt over a tp group: losses, the first step's gradients and the final
+/// parameters (gathered back to full), the first step's all-reduces and other collectives, and
+/// the parameter bytes this rank holds.
+fn tp_run(pg: &ProcessGroup) -> anyhow::Result<TpOut> {
+    let mut m = shardlab::tp::TpGpt::from_gpt(&Gpt::new(GPT, 9)?, pg).map_err(anyhow::Error::msg)?;
+    let mut o = opt();
+    let step0 = m.forward_backward(pg, &batch(0))?;
+    let first = m.unshard(pg, &step0.grads)?;
+    let (calls, others) =
+        (step0.comm.calls(OpKind::AllReduce), step0.comm.collectives - step0.comm.calls(OpKind::AllReduce));
+    let mut losses = vec![];
+    for step in 0..STEPS {
+        let (loss, _norm) = m.train_step(pg, None, &mut o, 3e-3, Some(1.0), &batch(step))?;
+        losses.push(loss);
+    }
+    let params = m.unshard(pg, &m.params())?;
+    let flat = |v: &[Tensor]| v.iter().map(|t| Vec::<f32>::try_from(t.reshape([-1])).unwrap()).collect::<Vec<_>>();
+    Ok((losses, flat(&first), flat(&params), calls, others, m.param_bytes()))
+}
+
+fn check_tp(tp: usize, out: Vec<TpOut>) {
+    let (losses, first, fin) = one_process();
+    let full_bytes = shardlab::memory::held_bytes(Gpt::new(GPT, 9).unwrap().parameters().iter());
+    for (rank, (l, g, p, calls, others, bytes)) in out.into_iter().enumerate() {
+        for (s, (a, b)) in l.iter().zip(&losses).enumerate() {
+            assert!((a - b).abs() < 1e-5, "tp={tp} rank {rank} step {s}: loss {a}, one process {b}");
+        }
+        for (i, (got, want)) in g.iter().zip(&first).enumerate() {
+            let d = max_diff(&Tensor::from_slice(got).reshape(want.size()), want);
+            assert!(d < 2e-5, "tp={tp} rank {rank}: parameter {i}'s gradient differs from one process's by {d}");
+        }
+        for (i, (got, want)) in p.iter().zip(&fin).enumerate() {
+            let d = max_diff(&Tensor::from_slice(got).reshape(want.size()), want);
+            assert!(d < 1e-4, "tp={tp} rank {rank}: parameter {i} after {STEPS} steps differs by {d}");
+        }
+        // 1 (embedding) + 4 per block + 1 (head) + 3 (loss), and nothing else.
+        assert_eq!(calls, 4 * GPT.n_layer as u64 + 5, "tp={tp} rank {rank}: all-reduces per step");
+        assert_eq!(others, 0, "tp={tp} rank {rank}: a TP step uses all-reduces only");
+        // The matrices and the embedding are split; what is replicated (LayerNorms, wpe, biases
+        // of the row-parallel layers) is small: a rank holds well under 1/t + 10% of the model.
+        assert!(
+            bytes < full_bytes / tp as u64 + full_bytes / 10 && bytes > full_bytes / tp as u64,
+            "tp={tp} rank {rank}: holds {bytes} parameter bytes of {full_bytes}"
+        );
+    }
+}
+
+/// A GPT trained with tensor parallelism equals one process's training: the same losses
+/// (1e-5), the first step's gradients (2e-5) and the parameters after 3 AdamW steps with
+/// clipping (1e-4: Adam divides by √v, which magnifies f32 rounding where a gradient is near 0).
+#[test]
+fn tp_gpt_trains_like_one_process_local() {
+    for tp in [2usize, 4] {
+        check_tp(tp, spawn(tp, Backend::Local, tp_run).unwrap());
+    }
+}
+
+#[test]
+fn tp_gpt_trains_like_one_process_tcp() {
+    let name = "tp_gpt_trains_like_one_process_tcp";
+    let o = SpawnOptions::new(2, Backend::Tcp)
+        .child_args(["--exact", name, "--nocapture", "--test-threads=1"].map(String::from).to_vec());
+    check_tp(2, spawn_with(o, tp_run).unwrap());
+}
+
+/// dp × tp on a 2 × 2 mesh: each data-parallel replica runs its half of the batch with its tp
+/// pair, gradients averaged over dp — the same losses as one process on the whole batch.
+#[test]
+fn dp_times_tp_on_a_2x2_mesh_matches_one_process() {
+    let (losses, _, fin) = one_process();
+    let out = spawn(4, Backend::Local, |pg| {
+        let mesh = DeviceMesh::new(pg, &[2, 2], &["dp", "tp"])?;
+        let (tp, dp) = (mesh.group("tp"), mesh.group("dp"));
+        let mut m = shardlab::tp::TpGpt::from_gpt(&Gpt::new(GPT, 9)?, tp).map_err(anyhow::Error::msg)?;
+        let mut o = opt();
+        let half = (ROWS / 2) as i64;
+        let d = mesh.coord("dp") as i64;
+        let mut l = vec![];
+        for step in 0..STEPS {
+            let b = batch(step);
+            let (loss, _) = m.train_step(tp, Some(dp), &mut o, 3e-3, Some(1.0), &b.rows(d * half, (d + 1) * half))?;
+            l.push(loss);
+        }
+        let p = m.unshard(tp, &m.params())?;
+        Ok((l, p.iter().map(|t| Vec::<f32>::try_from(t.reshape([-1])).unwrap()).collect::<Vec<_>>()))
+    })
+    .unwrap();
+    for (rank, (l, p)) in out.into_iter().enumerate() {
+        for (s, (a, b)) in l.iter().zip(&losses).enumerate() {
+            assert!((a - b).abs() < 1e-5, "rank {rank} step {s}: loss {a}, one process {b}");
+        }
+        for (i, (got, want)) in p.iter().zip(&fin).enumerate() {
+            let d = max_diff(&Tensor::from_slice(got).reshape(want.size()), want);
+            assert!(d < 1e-4, "rank {rank}: parameter {i} after {STEPS} steps differs by {d}");
+        }
+    }
+}
+
+/// A vocabulary or a head count that does not divide by t: refused on every rank, before any
+/// rank computes (each rank checks the same shape against the same t).
+#[test]
+fn tp_gpt_refuses_shapes_that_do_not_split() {
+    let odd_vocab = GptConfig { vocab_size: 63, ..GPT };
+    let e = spawn(2, Backend::Local, move |pg| {
+        Ok(shardlab::tp::TpGpt::from_gpt(&Gpt::new(odd_vocab, 9)?, pg).err().unwrap_or_default())
+    })
+    .unwrap();
+    assert!(e.iter().all(|e| e.contains("vocabulary of 63 does not split over 2")), "{e:?}");
+    let e = spawn(3, Backend::Local, move |pg| {
+        let cfg = GptConfig { vocab_size: 66, ..GPT };
+        Ok(shardlab::tp::TpGpt::from_gpt(&Gpt::new(cfg, 9)?, pg).err().unwrap_or_default())
+    })
+    .unwrap();
+    assert!(e.iter().all(|e| e.contains("4 heads do not split over 3")), "{e:?}");
+}

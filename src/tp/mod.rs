@@ -22,6 +22,9 @@
 //! output gradient (`Tensor::run_backward`, which returns the gradients, as the stage runner
 //! does) and all-reduces the input gradient — the communication sits between the pieces.
 
+mod gpt;
+pub use gpt::{TpGpt, TpStep};
+
 use crate::comm::{CommError, CommResult, ProcessGroup, ReduceOp};
 use tch::{Kind, Tensor};
 
@@ -167,7 +170,7 @@ struct BlockSaved {
     partial_m: Tensor,
 }
 
-fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
     let c = *x.size().last().expect("(…, C)");
     x.layer_norm([c], Some(w), Some(b), 1e-5, false)
 }

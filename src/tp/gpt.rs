@@ -1,0 +1,240 @@
+//! A whole GPT under tensor parallelism (lesson 12): every block split by heads and column → row
+//! ([`TpBlock`]), the token embedding split by vocabulary rows (Megatron's vocab-parallel
+//! embedding), and the tied head computing only this rank's vocabulary columns of the logits,
+//! which go straight into [`vocab_parallel_cross_entropy`] — the (B, T, V) logits are never
+//! gathered. Every rank builds the full model from the same seed and keeps its slices
+//! (picotron's trick), so a run equals one process's training up to f32 rounding (tests/tp.rs).
+//!
+//! Communication per step, all of it all-reduces over the tensor-parallel group (fp32):
+//!
+//! ```text
+//! embedding  (B, T, C)   forward  g: sum of the ranks' rows (each id lives on one rank)
+//! block × L  (B, T, C)   4 each   g twice forward, f twice backward
+//! head       (B, T, C)   backward f: the LayerNorm output fed every rank's logits
+//! loss       (B·T,)      3        row max, sum of exponentials, the target's logit
+//! ```
+//!
+//! `4L + 5` all-reduces, `(4L + 2)·B·T·C + 3·B·T` floats — whatever t is. What t divides is the
+//! matrices (and their gradients and optimizer state): each rank holds `1/t` of every weight
+//! matrix and of the embedding, and all of the LayerNorms, the position embedding and the output
+//! biases.
+//!
+//! Run: `cargo run --release --bin lesson12`.
+
+use super::{layer_norm, vocab_parallel_cross_entropy, TpBlock};
+use crate::comm::{CommError, CommResult, CommStats, ProcessGroup, ReduceOp};
+use crate::model::{Batch, Gpt, GptConfig, Model};
+use crate::optim::{clip_coef, Decay, Optimizer};
+use crate::precision::Precision;
+use tch::{Kind, Tensor};
+
+/// A GPT split over a tensor-parallel group (fp32, CPU or one device per rank).
+pub struct TpGpt {
+    pub cfg: GptConfig,
+    /// (V/t, C): this rank's vocabulary rows, ids `rank·V/t ..` — the embedding and the tied head.
+    pub wte: Tensor,
+    /// (block_size, C), replicated.
+    pub wpe: Tensor,
+    pub blocks: Vec<TpBlock>,
+    /// ln_f weight and bias, replicated.
+    pub ln_f: [Tensor; 2],
+}
+
+/// What one [`TpGpt::forward_backward`] gives.
+pub struct TpStep {
+    /// Mean cross-entropy of the batch, the same on every rank.
+    pub loss: f64,
+    /// This rank's gradients, sliced like [`TpGpt::params`] and in its order.
+    pub grads: Vec<Tensor>,
+    /// What the step communicated, from the group's own counters.
+    pub comm: CommStats,
+}
+
+impl TpGpt {
+    /// This rank's part of `gpt` over the tensor-parallel group `pg`. The vocabulary and the head
+    /// count must divide by the group's size; fp32 only.
+    pub fn from_gpt(gpt: &Gpt, pg: &ProcessGroup) -> Result<TpGpt, String> {
+        let cfg = gpt.cfg;
+        let (t, r) = (pg.world_size(), pg.rank());
+        if cfg.vocab_size % t as i64 != 0 {
+            return Err(format!(
+                "a vocabulary of {} does not split over {t} tensor-parallel ranks (pad it to a multiple of {t}, as Megatron pads to 128·t)",
+                cfg.vocab_size
+            ));
+        }
+        if cfg.n_head % t as i64 != 0 {
+            return Err(format!("{} heads do not split over {t} tensor-parallel ranks", cfg.n_head));
+        }
+        if gpt.precision() != Precision::Fp32 {
+            return Err(format!("tensor parallelism here computes in fp32, not {:?}", gpt.precision()));
+        }
+        let p: Vec<Tensor> = gpt.parameters().iter().map(|p| p.detach()).collect();
+        let leaf = |x: Tensor| x.set_requires_grad(true);
+        let rep = |x: &Tensor| leaf(x.copy());
+        let blocks = (0..cfg.n_layer as usize)
+            .map(|l| TpBlock::from_full(&p[2 + 12 * l..14 + 12 * l], cfg.n_head, pg))
+            .collect::<Result<Vec<_>, _>>()?;
+        let n = p.len();
+        Ok(TpGpt {
+            cfg,
+            // The embedding's rows are its output features of the head: a column-parallel slice.
+            wte: leaf(super::column_shard(&p[0], t, r)?),
+            wpe: rep(&p[1]),
+            blocks,
+            ln_f: [rep(&p[n - 2]), rep(&p[n - 1])],
+        })
+    }
+
+    /// This rank's parameters in the GPT's order (wte, wpe, 12 per block, ln_f): handles, not copies.
+    pub fn params(&self) -> Vec<Tensor> {
+        let mut v = vec![self.wte.shallow_clone(), self.wpe.shallow_clone()];
+        for b in &self.blocks {
+            v.extend(b.params.iter().map(|p| p.shallow_clone()));
+        }
+        v.extend(self.ln_f.iter().map(|p| p.shallow_clone()));
+        v
+    }
+
+    /// Whether parameter `i` (in [`params`](Self::params) order) is split over the group — its
+    /// gradient's square counts from every rank in the global norm — or replicated (counted once).
+    pub fn is_split(&self, i: usize) -> bool {
+        let last = 2 + 12 * self.blocks.len();
+        i == 0 || (2..last).contains(&i) && matches!((i - 2) % 12, 2 | 3 | 4 | 8 | 9 | 10)
+    }
+
+    /// Forward and backward of one batch (`x`, `y` (B, T), the same on every rank of `pg`).
+    pub fn forward_backward(&mut self, pg: &ProcessGroup, batch: &Batch) -> CommResult<TpStep> {
+        let before = pg.stats();
+        let bad = |m: String| CommError::InvalidArgument(format!("rank {}: TpGpt: {m}", pg.rank()));
+        let (_b, t) = batch.x.size2().map_err(|e| bad(format!("ids must be (B, T): {e}")))?;
+        if t > self.cfg.block_size || batch.y.size() != batch.x.size() {
+            return Err(bad(format!(
+                "ids {:?} and targets {:?}: both (B, T) with T ≤ {}",
+                batch.x.size(),
+                batch.y.size(),
+                self.cfg.block_size
+            )));
+        }
+        let vl = self.wte.size()[0];
+        let lo = pg.rank() as i64 * vl;
+        // Vocab-parallel embedding: an id outside this rank's rows looks up row 0 and is zeroed;
+        // g (all-reduce forward, identity backward) sums the one rank that holds each id.
+        let local = &batch.x - lo;
+        let mine = local.ge(0).logical_and(&local.lt(vl)).to_kind(Kind::Float).unsqueeze(-1);
+        let tok_part = Tensor::embedding(&self.wte, &local.clamp(0, vl - 1), -1, false, false) * mine; // (B, T, C)
+        let pos = Tensor::arange(t, (Kind::Int64, batch.x.device()));
+        let pos_e = Tensor::embedding(&self.wpe, &pos, -1, false, false); // (T, C)
+        let mut tok = tok_part.detach().copy();
+        pg.all_reduce(&mut tok, ReduceOp::Sum)?;
+        let mut x = tok + pos_e.detach();
+        for b in &mut self.blocks {
+            x = b.forward(pg, &x)?;
+        }
+        // Head: ln_f, then f (identity forward) into this rank's (B, T, V/t) columns of the logits.
+        let x_l = x.detach().set_requires_grad(true);
+        let h = layer_norm(&x_l, &self.ln_f[0], &self.ln_f[1]);
+        let h_leaf = h.detach().set_requires_grad(true);
+        let logits = h_leaf.linear::<Tensor>(&self.wte, None).view([-1, vl]); // (B·T, V/t)
+        let (loss, dlogits) = vocab_parallel_cross_entropy(pg, &logits.detach(), &batch.y.view([-1]))?;
+        // Backward, in reverse: the head's local graph, then f backward — all-reduce dL/dh.
+        let g = Tensor::run_backward(&[(&logits * &dlogits).sum(Kind::Float)], &[&self.wte, &h_leaf], false, false);
+        let [g_wte_head, dh]: [Tensor; 2] = g.try_into().expect("two gradients");
+        let mut dh = dh;
+        pg.all_reduce(&mut dh, ReduceOp::Sum)?;
+        let g =
+            Tensor::run_backward(&[(&h * &dh).sum(Kind::Float)], &[&self.ln_f[0], &self.ln_f[1], &x_l], false, false);
+        let [g_lnw, g_lnb, mut dx]: [Tensor; 3] = g.try_into().expect("three gradients");
+        let mut block_grads = Vec::with_capacity(self.blocks.len());
+        for b in self.blocks.iter_mut().rev() {
+            let (g, d) = b.backward(pg, &dx)?;
+            block_grads.push(g);
+            dx = d;
+        }
+        // The embedding's g backward is the identity: each rank's rows get dL/dx where they were used.
+        let surrogate = (&tok_part * &dx).sum(Kind::Float) + (pos_e.unsqueeze(0) * &dx).sum(Kind::Float);
+        let g = Tensor::run_backward(&[surrogate], &[&self.wte, &self.wpe], false, false);
+        let [g_wte_emb, g_wpe]: [Tensor; 2] = g.try_into().expect("two gradients");
+        let mut grads = vec![g_wte_head + g_wte_emb, g_wpe];
+        grads.extend(block_grads.into_iter().rev().flatten());
+        grads.extend([g_lnw, g_lnb]);
+        Ok(TpStep { loss, grads, comm: pg.stats().since(&before) })
+    }
+
+    /// The global L2 norm of gradients sliced like [`params`](Self::params): the split ones'
+    /// squares summed over the group (one all-reduce of one number), the replicated ones once.
+    pub fn grad_norm(&self, pg: &ProcessGroup, grads: &[Tensor]) -> CommResult<f64> {
+        let sq = |split: bool| -> f64 {
+            grads
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| self.is_split(*i) == split)
+                .map(|(_, g)| g.square().sum(Kind::Double).double_value(&[]))
+                .sum()
+        };
+        let mut s = Tensor::from_slice(&[sq(true)]);
+        pg.all_reduce(&mut s, ReduceOp::Sum)?;
+        Ok((s.double_value(&[0]) + sq(false)).sqrt())
+    }
+
+    /// One optimizer step on a batch: forward and backward over `tp`; with `dp`, the gradients
+    /// (and the loss) averaged over the data-parallel group, each dp rank holding its own rows of
+    /// the global batch (dp × tp on a 2-D mesh); the global norm clipped to `grad_clip`; then
+    /// `opt` on this rank's slices (AdamW is elementwise, so updating slices is updating the
+    /// whole). Returns the loss (the whole global batch's mean) and the norm before clipping.
+    pub fn train_step(
+        &mut self,
+        tp: &ProcessGroup,
+        dp: Option<&ProcessGroup>,
+        opt: &mut dyn Optimizer,
+        lr: f64,
+        grad_clip: Option<f64>,
+        batch: &Batch,
+    ) -> CommResult<(f64, f64)> {
+        let TpStep { mut loss, mut grads, .. } = self.forward_backward(tp, batch)?;
+        if let Some(dp) = dp {
+            let n = dp.world_size() as f64;
+            // grads: each of this rank's slices, averaged over dp (bucketing would group them).
+            for g in &mut grads {
+                dp.all_reduce(g, ReduceOp::Sum)?;
+                let _ = g.g_div_scalar_(n);
+            }
+            let mut l = Tensor::from_slice(&[loss]);
+            dp.all_reduce(&mut l, ReduceOp::Sum)?;
+            loss = l.double_value(&[0]) / n;
+        }
+        let norm = self.grad_norm(tp, &grads)?;
+        if let Some(c) = grad_clip {
+            let k = clip_coef(norm, c);
+            if k < 1.0 {
+                grads.iter_mut().for_each(|g| {
+                    let _ = g.g_mul_scalar_(k);
+                });
+            }
+        }
+        let params = self.params();
+        let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
+        opt.step(lr, &params, &grads, &decay).map_err(|e| {
+            let e = format!("rank {}: TpGpt optimizer step: {e}", tp.rank());
+            tp.abort(&e);
+            CommError::InvalidArgument(e)
+        })?;
+        Ok((loss, norm))
+    }
+
+    /// The full (unsplit) tensors of `sliced` (parameters or gradients, sliced like
+    /// [`params`](Self::params)), gathered from every rank, in the GPT's order.
+    pub fn unshard(&self, pg: &ProcessGroup, sliced: &[Tensor]) -> CommResult<Vec<Tensor>> {
+        let mut out = vec![super::gather_dim(pg, &sliced[0], 0)?, sliced[1].detach().copy()];
+        for (l, b) in self.blocks.iter().enumerate() {
+            out.extend(b.unshard(pg, &sliced[2 + 12 * l..14 + 12 * l])?);
+        }
+        let n = sliced.len();
+        out.extend([sliced[n - 2].detach().copy(), sliced[n - 1].detach().copy()]);
+        Ok(out)
+    }
+
+    /// Bytes of parameters this rank holds, measured from its tensors.
+    pub fn param_bytes(&self) -> u64 {
+        crate::memory::held_bytes(self.params().iter())
+    }
+}
