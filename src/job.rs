@@ -161,6 +161,9 @@ impl GptJob {
 
     /// The per-worker loop (call inside [`Trainer::fit`]). Returns this rank's summary.
     pub fn run(&self, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
+        if ctx.scaling().tensor_parallel != 1 {
+            return crate::tp::train::run(self, ctx, ctx.scaling().tensor_parallel);
+        }
         let data = self.data.load()?;
         let model = self.build_model()?;
         let params = model.num_params();
@@ -526,6 +529,13 @@ pub struct OneRun {
     /// Where the ranks compute (lesson 11).
     #[serde(default)]
     pub device: crate::device::DeviceChoice,
+    /// Tensor-parallel group size (lesson 12); 1: none.
+    #[serde(default = "one")]
+    pub tp: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 fn yes() -> bool {
@@ -551,6 +561,7 @@ pub fn run_one_if_asked() {
         s.reduce_dtype = r.reduce_dtype;
         s.offload = r.offload;
         s.device = r.device;
+        s.tensor_parallel = r.tp;
         let out = r.job.fit(s, false, false)?;
         println!("{}", serde_json::to_string(&out)?);
         Ok(())

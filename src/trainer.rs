@@ -124,6 +124,10 @@ pub struct ScalingConfig {
     /// [`Zero::offload`](crate::zero::Zero::offload)); default off.
     #[serde(default)]
     pub offload: bool,
+    /// Tensor-parallel group size (lesson 12): the world as (n/t) × t, data parallel over the
+    /// rows (with `strategy: Ddp`), [`TpGpt`](crate::tp::TpGpt) within each; default 1 (none).
+    #[serde(default = "one")]
+    pub tensor_parallel: usize,
     pub comm: CommConfig,
     /// Arguments for re-executed worker processes (tests pass `--exact NAME`); default: ours.
     pub child_args: Option<Vec<String>>,
@@ -147,10 +151,15 @@ impl Default for ScalingConfig {
             precision: Precision::Fp32,
             reduce_dtype: Precision::Fp32,
             offload: false,
+            tensor_parallel: 1,
             comm: CommConfig::default(),
             child_args: None,
         }
     }
+}
+
+fn one() -> usize {
+    1
 }
 
 /// What a worker's loop sees.

@@ -390,3 +390,48 @@ fn tp_gpt_refuses_shapes_that_do_not_split() {
     .unwrap();
     assert!(e.iter().all(|e| e.contains("4 heads do not split over 3")), "{e:?}");
 }
+
+/// `train --tp`: a job on 4 ranks as dp 2 × tp 2 trains on the same global batch as DDP on 4
+/// ranks, to the same losses (1e-5); what --tp cannot be combined with yet, and a head count
+/// that does not split, are refused with the reason.
+#[test]
+fn a_job_with_tp_trains_like_ddp() {
+    use shardlab::job::{DataSource, GptJob};
+    let job = GptJob {
+        model: GptConfig::tiny(),
+        batch_size: 2,
+        accum: 1,
+        steps: 4,
+        warmup: 0,
+        optim: AdamWConfig { lr: 3e-3, ..AdamWConfig::default() },
+        lr_schedule: Some(LrSchedule { max_lr: 3e-3, min_lr: 3e-4, warmup_iters: 1, decay_iters: 4 }),
+        grad_clip: Some(1.0),
+        data: DataSource::Synthetic { tokens: 4000, seed: 7 },
+        seed: 1,
+        init: None,
+        save: None,
+        checkpoint: Default::default(),
+    };
+    let fit = |tp: usize, strategy: Strategy| {
+        let s = ScalingConfig { num_workers: 4, strategy, tensor_parallel: tp, ..ScalingConfig::default() };
+        job.fit(s, false, false)
+    };
+    let ddp = fit(1, Strategy::Ddp).unwrap();
+    let tp = fit(2, Strategy::Ddp).unwrap();
+    assert_eq!(tp.strategy, "ddp2×tp2");
+    for (s, (a, b)) in tp.losses.iter().zip(&ddp.losses).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {s}: dp 2 × tp 2 loss {a}, DDP on 4 ranks {b}");
+    }
+    assert!(
+        tp.memory.params < ddp.memory.params,
+        "a tp rank holds {} parameter bytes, a DDP rank {}",
+        tp.memory.params,
+        ddp.memory.params
+    );
+    let e = format!("{:#}", fit(4, Strategy::Ddp).err().expect("2 heads over 4 ranks"));
+    assert!(e.contains("2 heads do not split over 4"), "{e}");
+    let e = format!("{:#}", fit(2, Strategy::Zero1).err().expect("zero1 with tp"));
+    assert!(e.contains("not combined with --strategy zero1"), "{e}");
+    let e = format!("{:#}", fit(3, Strategy::Ddp).err().expect("3 does not divide 4"));
+    assert!(e.contains("does not divide the world of 4"), "{e}");
+}

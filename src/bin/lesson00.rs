@@ -99,6 +99,7 @@ fn main() -> anyhow::Result<()> {
             reduce_dtype: shardlab::precision::Precision::Fp32,
             offload: false,
             device: Default::default(),
+            tp: 1,
         })?;
         let name = format!("{strategy:?}").to_lowercase();
         let exposed_ms = r.exposed_comm_s / a.steps as f64 * 1e3;

@@ -79,6 +79,7 @@ fn main() -> anyhow::Result<()> {
         reduce_dtype: shardlab::precision::Precision::Fp32,
         offload: false,
         device: Default::default(),
+        tp: 1,
     };
     let sizes: Vec<usize> = cfg.param_shapes().iter().map(|(_, s)| 4 * s.iter().product::<i64>() as usize).collect();
     let mut rows = Vec::new();

@@ -61,6 +61,7 @@ fn main() -> anyhow::Result<()> {
         reduce_dtype: shardlab::precision::Precision::Fp32,
         offload: false,
         device: Default::default(),
+        tp: 1,
     };
     let runs: Vec<(Strategy, RunSummary)> = [Strategy::Ddp, Strategy::Zero3]
         .into_iter()

@@ -89,6 +89,7 @@ fn main() -> anyhow::Result<()> {
             reduce_dtype: shardlab::precision::Precision::Fp32,
             offload: false,
             device: Default::default(),
+            tp: 1,
         })?;
         let m = r.memory;
         let rss = r.peak_rss_bytes.unwrap_or(0) as f64;

@@ -106,6 +106,7 @@ fn main() -> anyhow::Result<()> {
             reduce_dtype: reduce,
             offload: false,
             device: Default::default(),
+            tp: 1,
         })
     };
 

@@ -122,6 +122,7 @@ fn main() -> anyhow::Result<()> {
                 reduce_dtype: shardlab::precision::Precision::Fp32,
                 offload: false,
                 device: Default::default(),
+                tp: 1,
             };
             let r: RunSummary = job::run_isolated_with_env(&one, env)?;
             anyhow::Ok((r.peak_rss_bytes.unwrap_or(0) as f64, r.median_step_s, r.final_loss))

@@ -153,6 +153,7 @@ fn main() -> anyhow::Result<()> {
                 reduce_dtype: Precision::Fp32,
                 offload,
                 device: a.device,
+                tp: 1,
             })?;
             let (m, st) = (r.memory, r.ddp);
             let per_step = |b: u64| b as f64 / a.steps as f64 / 1e6;

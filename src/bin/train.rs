@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --bin train -- --strategy ddp --world-size 2 --steps 30
 //! cargo run --release --bin train -- --strategy single --steps 200 --save out.safetensors
+//! cargo run --release --bin train -- --strategy ddp --world-size 4 --tp 2 --steps 30   # dp 2 × tp 2 (lesson 12)
 //! cargo run --release --bin launch -- --nproc-per-node 2 -- train --strategy ddp --steps 30   # ranks started by `launch`
 //! cargo run --release --bin train -- --eval-only --init out.safetensors --data val.bin
 //! ```
@@ -35,6 +36,11 @@ struct Args {
     /// DDP implementation.
     #[arg(long, value_enum, default_value = "bucketed")]
     variant: Variant,
+    /// Tensor parallelism (lesson 12): groups of this many ranks split every matrix of the GPT
+    /// (Megatron-LM); the world is (world-size / tp) data-parallel replicas of tp ranks each.
+    /// With --strategy ddp; 1: none.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
     /// DDP bucket cap in MiB (PyTorch's bucket_cap_mb).
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
@@ -251,6 +257,17 @@ fn main() -> anyhow::Result<()> {
     if args.strategy == Strategy::Single && args.world_size != 1 {
         bail!("--strategy single runs one process; use --strategy ddp for --world-size {}", args.world_size);
     }
+    if args.tp != 1 {
+        anyhow::ensure!(
+            args.strategy == Strategy::Ddp,
+            "--tp {} runs with --strategy ddp (the data-parallel dimension: --world-size / --tp replicas)",
+            args.tp
+        );
+        anyhow::ensure!(
+            args.max_restarts == 0 && !args.shrink_on_failure,
+            "--tp is not combined with elastic restarts yet"
+        );
+    }
     let mut scaling = job::scaling(
         args.strategy,
         args.world_size,
@@ -267,6 +284,7 @@ fn main() -> anyhow::Result<()> {
     scaling.reduce_dtype = args.reduce_dtype;
     scaling.offload = args.offload;
     scaling.device = args.device;
+    scaling.tensor_parallel = args.tp;
     let s = if args.max_restarts > 0 || args.shrink_on_failure {
         let elastic = job::Elastic {
             max_restarts: args.max_restarts,
@@ -325,7 +343,7 @@ fn main() -> anyhow::Result<()> {
         println!("{v}");
     } else {
         println!(
-            "{} × {}{} {}: {} params, final loss {:.4}, {:.0} tokens/s (median step {:.1} ms); communication {:.2} s, {:.0}% hidden",
+            "{} × {}{} {}: {} params, final loss {:.4}, {:.0} tokens/s (median step {:.1} ms); {}",
             s.strategy,
             s.world_size,
             s.variant.as_deref().map(|v| format!(" ({v})")).unwrap_or_default(),
@@ -334,8 +352,12 @@ fn main() -> anyhow::Result<()> {
             s.final_loss,
             s.tokens_per_s,
             s.median_step_s * 1e3,
-            s.comm_s,
-            100.0 * s.hidden_comm_fraction
+            if args.tp > 1 {
+                // TP's all-reduces sit inside every layer: no overlap is measured, the bytes are.
+                format!("{:.2} MB sent per step by rank 0", s.bytes_sent_per_step / 1e6)
+            } else {
+                format!("communication {:.2} s, {:.0}% hidden", s.comm_s, 100.0 * s.hidden_comm_fraction)
+            }
         );
         if let Some(c) = &s.cuda {
             println!(

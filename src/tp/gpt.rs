@@ -38,6 +38,8 @@ pub struct TpGpt {
     pub blocks: Vec<TpBlock>,
     /// ln_f weight and bias, replicated.
     pub ln_f: [Tensor; 2],
+    /// Bytes of the gradients of the last [`train_step`](Self::train_step), measured from them.
+    pub last_grad_bytes: u64,
 }
 
 /// What one [`TpGpt::forward_backward`] gives.
@@ -82,6 +84,7 @@ impl TpGpt {
             wpe: rep(&p[1]),
             blocks,
             ln_f: [rep(&p[n - 2]), rep(&p[n - 1])],
+            last_grad_bytes: 0,
         })
     }
 
@@ -202,6 +205,7 @@ impl TpGpt {
             dp.all_reduce(&mut l, ReduceOp::Sum)?;
             loss = l.double_value(&[0]) / n;
         }
+        self.last_grad_bytes = crate::memory::held_bytes(grads.iter());
         let norm = self.grad_norm(tp, &grads)?;
         if let Some(c) = grad_clip {
             let k = clip_coef(norm, c);

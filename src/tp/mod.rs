@@ -23,6 +23,7 @@
 //! does) and all-reduces the input gradient — the communication sits between the pieces.
 
 mod gpt;
+pub mod train;
 pub use gpt::{TpGpt, TpStep};
 
 use crate::comm::{CommError, CommResult, ProcessGroup, ReduceOp};
