@@ -28,7 +28,8 @@ pub fn row_parallel_linear(pg: &ProcessGroup, x_part: &Tensor, w: &Tensor, b: &T
     Ok(y + b)
 }
 
-/// Exercise 3 — the Megatron MLP `y = GELU(x·w_fcᵀ + b_fc)·w_projᵀ + b_proj`, split column → row
+/// Exercise 3 — the Megatron MLP `y = GELU(x·w_fcᵀ + b_fc)·w_projᵀ + b_proj` (the exact GELU,
+/// `.gelu("none")`, as the GPT's), split column → row
 /// over `pg`, forward and backward with Megatron's f and g written out. `x` (N, C) and `dy`
 /// (N, C) = dL/dy are the same on every rank; the weights are whole (c_fc (4C, C), (4C,);
 /// c_proj (C, 4C), (C,)). Return `(y, dx, grads)`: y and dL/dx (N, C), the same on every rank,

@@ -1,5 +1,7 @@
-//! Tensor parallelism (lesson 12): the sharded algebra, then a Megatron MLP split column → row
-//! over 2 and 4 ranks against one process.
+//! Tensor parallelism (lesson 12): the sharded algebra, a Megatron MLP split column → row and a
+//! GPT block split by heads over 2 and 4 ranks against one process, the vocab-parallel loss, the
+//! whole GPT (`TpGpt`) trained like one process (also over TCP, dp × tp on a 2 × 2 mesh and as a
+//! job with `--tp`), and the shapes that do not split refused.
 //!
 //! * The algebra, with `ndarray` (no libtorch): for Y = X·A, splitting A's columns gives Y's
 //!   columns (`X·[A₁ A₂] = [X·A₁  X·A₂]`); splitting A's rows and X's columns gives partial sums
@@ -238,9 +240,36 @@ const GPT: GptConfig = GptConfig { vocab_size: 64, block_size: 16, n_layer: 2, n
 const ROWS: usize = 8;
 const STEPS: u64 = 3;
 
+/// The synthetic corpus's 13 ids spread over the whole vocabulary (id·5 + 1: 1 … 61), so that
+/// every rank's slice of the embedding, the head and the loss holds some of them at t = 2 and 4;
+/// a row's first targets −1 (ignored by the loss).
+fn spread_corpus() -> Tokens {
+    Tokens(shardlab::data::synthetic_corpus(4000, 3).0.iter().map(|t| t * 5 + 1).collect())
+}
+
 fn batch(step: u64) -> Batch {
-    let data = shardlab::data::synthetic_corpus(4000, 3);
-    DistributedSampler::new(GPT.block_size as usize, ROWS, 0, 1, 5).unwrap().batch(&data, step)
+    batch_with(step, true)
+}
+
+/// Without ignored targets, for dp × tp: averaging the replicas' means (as DDP does) is the
+/// batch's mean only when every replica's rows hold as many targets.
+fn batch_with(step: u64, ignored: bool) -> Batch {
+    let b = DistributedSampler::new(GPT.block_size as usize, ROWS, 0, 1, 5).unwrap().batch(&spread_corpus(), step);
+    if ignored {
+        let _ = b.y.narrow(0, 1, 1).narrow(1, 0, 5).fill_(-1);
+    }
+    b
+}
+
+#[test]
+fn the_test_batches_use_every_ranks_vocabulary() {
+    let ids = Vec::<i64>::try_from(batch(0).x.reshape([-1])).unwrap();
+    for t in [2i64, 4] {
+        let per = GPT.vocab_size / t;
+        for r in 0..t {
+            assert!(ids.iter().any(|&i| i / per == r), "t={t}: no input id in rank {r}'s rows");
+        }
+    }
 }
 
 fn opt() -> AdamW {
@@ -251,6 +280,10 @@ fn opt() -> AdamW {
 /// the same clipping (PyTorch's clip_grad_norm_ rule). Losses per step, the first step's
 /// gradients and the final parameters.
 fn one_process() -> (Vec<f64>, Vec<Tensor>, Vec<Tensor>) {
+    one_process_with(true)
+}
+
+fn one_process_with(ignored: bool) -> (Vec<f64>, Vec<Tensor>, Vec<Tensor>) {
     use shardlab::optim::{clip_coef, global_norm, Decay};
     let gpt = Gpt::new(GPT, 9).unwrap();
     let mut o = opt();
@@ -258,7 +291,7 @@ fn one_process() -> (Vec<f64>, Vec<Tensor>, Vec<Tensor>) {
     for step in 0..STEPS {
         let params = gpt.parameters();
         shardlab::model::zero_grads(&params);
-        let loss = gpt.loss(&batch(step));
+        let loss = gpt.loss(&batch_with(step, ignored));
         loss.backward();
         let grads: Vec<Tensor> = params.iter().map(|p| p.grad().copy()).collect();
         if step == 0 {
@@ -344,7 +377,7 @@ fn tp_gpt_trains_like_one_process_tcp() {
 /// pair, gradients averaged over dp — the same losses as one process on the whole batch.
 #[test]
 fn dp_times_tp_on_a_2x2_mesh_matches_one_process() {
-    let (losses, _, fin) = one_process();
+    let (losses, _, fin) = one_process_with(false);
     let out = spawn(4, Backend::Local, |pg| {
         let mesh = DeviceMesh::new(pg, &[2, 2], &["dp", "tp"])?;
         let (tp, dp) = (mesh.group("tp"), mesh.group("dp"));
@@ -354,7 +387,7 @@ fn dp_times_tp_on_a_2x2_mesh_matches_one_process() {
         let d = mesh.coord("dp") as i64;
         let mut l = vec![];
         for step in 0..STEPS {
-            let b = batch(step);
+            let b = batch_with(step, false);
             let (loss, _) = m.train_step(tp, Some(dp), &mut o, 3e-3, Some(1.0), &b.rows(d * half, (d + 1) * half))?;
             l.push(loss);
         }
@@ -397,6 +430,9 @@ fn tp_gpt_refuses_shapes_that_do_not_split() {
 #[test]
 fn a_job_with_tp_trains_like_ddp() {
     use shardlab::job::{DataSource, GptJob};
+    // Ids over the whole vocabulary of 64 (each tp rank's slice is used).
+    let file = std::env::temp_dir().join(format!("shardlab-tp-job-{}.bin", std::process::id()));
+    spread_corpus().write(&file).unwrap();
     let job = GptJob {
         model: GptConfig::tiny(),
         batch_size: 2,
@@ -406,7 +442,7 @@ fn a_job_with_tp_trains_like_ddp() {
         optim: AdamWConfig { lr: 3e-3, ..AdamWConfig::default() },
         lr_schedule: Some(LrSchedule { max_lr: 3e-3, min_lr: 3e-4, warmup_iters: 1, decay_iters: 4 }),
         grad_clip: Some(1.0),
-        data: DataSource::Synthetic { tokens: 4000, seed: 7 },
+        data: DataSource::File(file.clone()),
         seed: 1,
         init: None,
         save: None,
@@ -419,6 +455,7 @@ fn a_job_with_tp_trains_like_ddp() {
     let ddp = fit(1, Strategy::Ddp).unwrap();
     let tp = fit(2, Strategy::Ddp).unwrap();
     assert_eq!(tp.strategy, "ddp2×tp2");
+    assert!(tp.bytes_sent_per_step > 0.0, "the bytes of the tp and dp groups are counted");
     for (s, (a, b)) in tp.losses.iter().zip(&ddp.losses).enumerate() {
         assert!((a - b).abs() < 1e-5, "step {s}: dp 2 × tp 2 loss {a}, DDP on 4 ranks {b}");
     }
@@ -434,4 +471,5 @@ fn a_job_with_tp_trains_like_ddp() {
     assert!(e.contains("not combined with --strategy zero1"), "{e}");
     let e = format!("{:#}", fit(3, Strategy::Ddp).err().expect("3 does not divide 4"));
     assert!(e.contains("does not divide the world of 4"), "{e}");
+    let _ = std::fs::remove_file(&file);
 }

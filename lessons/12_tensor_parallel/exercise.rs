@@ -10,8 +10,8 @@ use tch::{Kind, Tensor};
 /// and of `b` and returns its `out/t` features of y for the whole `x` (N, in): (N, out/t). No
 /// communication. `out` divides by `tp` (the grader only asks for shapes that split).
 pub fn column_parallel_linear(x: &Tensor, w: &Tensor, b: &Tensor, tp: usize, rank: usize) -> Tensor {
-    // TODO: k = out/t; narrow w's rows and b to rank·k..(rank+1)·k and apply them to x with
-    // `x.linear(&w_rows, Some(&b_rows))` (README, "Column-parallel: split the outputs").
+    // TODO: compute this rank's out/t features of y from its rows of w and b (README,
+    // "Column-parallel: split the outputs").
     todo!()
 }
 
@@ -20,13 +20,13 @@ pub fn column_parallel_linear(x: &Tensor, w: &Tensor, b: &Tensor, tp: usize, ran
 /// Multiply by this rank's columns of `w`, sum the partial outputs over the group with one
 /// all-reduce, and add the bias once: the whole y (N, out), the same on every rank.
 pub fn row_parallel_linear(pg: &ProcessGroup, x_part: &Tensor, w: &Tensor, b: &Tensor) -> CommResult<Tensor> {
-    // TODO: k = in/t (x_part's width); narrow w's columns to rank·k..; the partial product
-    // x_part·w_colsᵀ (no bias), all-reduce it (Sum), then add b once (README, "Row-parallel: split
-    // the inputs").
+    // TODO: multiply your features of x by your columns of w, sum over the group, add the bias
+    // once (README, "Row-parallel: split the inputs").
     todo!()
 }
 
-/// Exercise 3 — the Megatron MLP `y = GELU(x·w_fcᵀ + b_fc)·w_projᵀ + b_proj`, split column → row
+/// Exercise 3 — the Megatron MLP `y = GELU(x·w_fcᵀ + b_fc)·w_projᵀ + b_proj` (the exact GELU,
+/// `.gelu("none")`, as the GPT's), split column → row
 /// over `pg`, forward and backward with Megatron's f and g written out. `x` (N, C) and `dy`
 /// (N, C) = dL/dy are the same on every rank; the weights are whole (c_fc (4C, C), (4C,);
 /// c_proj (C, 4C), (C,)). Return `(y, dx, grads)`: y and dL/dx (N, C), the same on every rank,
@@ -41,10 +41,9 @@ pub fn tp_mlp(
     w_proj: &Tensor,
     b_proj: &Tensor,
 ) -> CommResult<(Tensor, Tensor, Vec<Tensor>)> {
-    // TODO: slice c_fc's rows, its bias's rows and c_proj's columns (leaves with requires_grad);
-    // forward from a leaf copy of x to the partial output, all-reduce it (g) and add b_proj; then
-    // `Tensor::run_backward` of Σ partial ⊙ dy for the slices and x, all-reduce dx (f), and
-    // b_proj's gradient is dy summed over rows (README, "f and g: the MLP in two all-reduces").
+    // TODO: the MLP's forward and backward on your slices, with g (all-reduce forward) and f
+    // (all-reduce backward) as the only communication (README, "f and g: the MLP in two
+    // all-reduces").
     todo!()
 }
 

@@ -37,8 +37,11 @@ fn cfg() -> GptConfig {
     GptConfig { vocab_size: 2048, block_size: 64, n_layer: 4, n_head: 4, n_embd: 256 }
 }
 
+/// The synthetic corpus's 13 ids spread over the vocabulary (id·157: 0 … 1884), so that every
+/// tensor-parallel rank's slice of the embedding and the head holds some of them.
 fn batch(step: u64) -> Batch {
-    DistributedSampler::new(64, ROWS, 0, 1, 5).expect("sampler").batch(&synthetic_corpus(50_000, 3), step)
+    let tokens = Tokens(synthetic_corpus(50_000, 3).0.iter().map(|t| t * 157).collect());
+    DistributedSampler::new(64, ROWS, 0, 1, 5).expect("sampler").batch(&tokens, step)
 }
 
 /// One run at tensor-parallel size t, as rank 0 of its group saw it.
@@ -128,7 +131,10 @@ fn main() -> anyhow::Result<()> {
     let steps = a.steps;
     // The processes first (a spawned rank re-runs main up to here). One world of 4; for each t the
     // first t ranks form a group (new_group) and train while the others wait at the barrier.
-    let per_rank = spawn_with(SpawnOptions::new(WORLD, Backend::Tcp), move |pg| {
+    // TCP between the processes and the ring algorithm, so that the bytes counted are bytes
+    // written to sockets (shared memory's direct algorithm counts a ring-equivalent volume).
+    let comm = CommConfig { transport: DataPath::Tcp, ..CommConfig::default() };
+    let per_rank = spawn_with(SpawnOptions::new(WORLD, Backend::Tcp).config(comm), move |pg| {
         let mut out: (Vec<Run>, Vec<Vocab>) = (vec![], vec![]);
         for t in [1usize, 2, 4] {
             let members: Vec<usize> = (0..t).collect();
@@ -162,7 +168,7 @@ fn main() -> anyhow::Result<()> {
             ROWS,
             c.block_size
         );
-        println!("{steps} steps, tensor-parallel over t TCP rank processes (rank 0 of each group shown):\n");
+        println!("{steps} steps, tensor-parallel over t rank processes, all-reduces over TCP (ring); rank 0 of each group shown:\n");
         println!(
             "  {:>2} {:>12} {:>13} {:>12} {:>16} {:>10} {:>10} {:>9}",
             "t", "final loss", "max |Δ loss|", "all-reduces", "MB sent/step", "param MB", "AdamW MB", "step ms"
@@ -208,8 +214,9 @@ fn main() -> anyhow::Result<()> {
             "  brackets: a ring's 2(t−1)/t of the {:.2} MB all-reduced — the same payload whatever t is.",
             payload as f64 / 1e6
         );
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         println!(
-            "  (Step times: 4 processes share 2 cores here; the lesson explains why TP only pays with fast links.)\n"
+            "  (Step times: {WORLD} processes share {cores} core(s) here; the lesson explains why TP only pays with fast links.)\n"
         );
         println!(
             "The loss without the logits, for one batch ({} × {} positions, vocabulary {}):",

@@ -118,9 +118,16 @@ impl TpGpt {
                 self.cfg.block_size
             )));
         }
+        let (lo_id, hi_id) = (batch.x.min().int64_value(&[]), batch.x.max().int64_value(&[]));
+        if lo_id < 0 || hi_id >= self.cfg.vocab_size {
+            // The one-process GPT would fail the lookup; a split table would silently give zeros.
+            let e = bad(format!("input ids in {lo_id}..={hi_id}, outside the vocabulary 0..{}", self.cfg.vocab_size));
+            pg.abort(&e.to_string());
+            return Err(e);
+        }
         let vl = self.wte.size()[0];
         let lo = pg.rank() as i64 * vl;
-        // Vocab-parallel embedding: an id outside this rank's rows looks up row 0 and is zeroed;
+        // Vocab-parallel embedding: an id outside this rank's rows looks up a clamped row and is zeroed;
         // g (all-reduce forward, identity backward) sums the one rank that holds each id.
         let local = &batch.x - lo;
         let mine = local.ge(0).logical_and(&local.lt(vl)).to_kind(Kind::Float).unsqueeze(-1);
@@ -183,7 +190,10 @@ impl TpGpt {
     /// (and the loss) averaged over the data-parallel group, each dp rank holding its own rows of
     /// the global batch (dp × tp on a 2-D mesh); the global norm clipped to `grad_clip`; then
     /// `opt` on this rank's slices (AdamW is elementwise, so updating slices is updating the
-    /// whole). Returns the loss (the whole global batch's mean) and the norm before clipping.
+    /// whole). Returns the loss and the norm before clipping. With `dp`, the loss and gradients
+    /// are the mean of the replicas' means, as DDP's: the global batch's mean when every replica's
+    /// rows hold as many targets (no −1 targets, or as many on each). An error on one rank aborts
+    /// both groups, so that no rank waits in a collective for it and no rank steps alone.
     pub fn train_step(
         &mut self,
         tp: &ProcessGroup,
@@ -193,7 +203,19 @@ impl TpGpt {
         grad_clip: Option<f64>,
         batch: &Batch,
     ) -> CommResult<(f64, f64)> {
-        let TpStep { mut loss, mut grads, .. } = self.forward_backward(tp, batch)?;
+        let fail = |e: CommError| {
+            let m = format!("rank {}: TpGpt train step: {e}", tp.rank());
+            tp.abort(&m);
+            if let Some(dp) = dp {
+                dp.abort(&m);
+            }
+            CommError::InvalidArgument(m)
+        };
+        let TpStep { mut loss, mut grads, .. } = self.forward_backward(tp, batch).map_err(fail)?;
+        let params = self.params();
+        let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
+        // Before any collective commits the ranks to stepping (Optimizer::check's contract).
+        opt.check(&params, &grads, &decay).map_err(|e| fail(CommError::InvalidArgument(e)))?;
         if let Some(dp) = dp {
             let n = dp.world_size() as f64;
             // grads: each of this rank's slices, averaged over dp (bucketing would group them).
@@ -215,13 +237,7 @@ impl TpGpt {
                 });
             }
         }
-        let params = self.params();
-        let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
-        opt.step(lr, &params, &grads, &decay).map_err(|e| {
-            let e = format!("rank {}: TpGpt optimizer step: {e}", tp.rank());
-            tp.abort(&e);
-            CommError::InvalidArgument(e)
-        })?;
+        opt.step(lr, &params, &grads, &decay).map_err(|e| fail(CommError::InvalidArgument(e)))?;
         Ok((loss, norm))
     }
 

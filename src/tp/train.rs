@@ -2,7 +2,7 @@
 //! of n ranks as a (n/t) × t mesh — data parallel over its rows, tensor parallel within each row
 //! ([`TpGpt::train_step`] with the dp group). Every rank of a tp group reads the same rows; the
 //! global batch is `batch_size × n` rows, as for the data-parallel strategies, so a run with
-//! `--tp` trains on exactly what one process would (and the losses are one process's, within f32
+//! `--tp` trains on exactly what DDP on the same ranks would (the same losses within f32
 //! rounding: `tests/tp.rs`).
 //!
 //! What is not combined with it yet: mixed precision, gradient accumulation, activation
@@ -62,7 +62,9 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext, t: usize) -> anyhow::Result<Run
         DistributedSampler::new(job.model.block_size as usize, job.batch_size * n, mesh.coord("dp"), n / t, job.seed)?;
     let tokens_per_step = (job.batch_size * n) as f64 * job.model.block_size as f64;
     let (mut step_s, mut losses) = (Vec::new(), Vec::new());
-    let sent0 = ctx.group().stats().bytes_sent;
+    // Bytes this rank sends, over the world and its two mesh groups (each its own communicator).
+    let sent = |ctx: &TrainContext| ctx.group().stats().bytes_sent + tp.stats().bytes_sent + dp.stats().bytes_sent;
+    let sent0 = sent(ctx);
     crate::bench::reset_peak_rss();
     let warmup = job.warmup.min(job.steps.saturating_sub(1));
     for step in 0..job.steps {
@@ -97,7 +99,7 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext, t: usize) -> anyhow::Result<Run
         }
     }
     let steps = job.steps.max(1) as f64;
-    let sent_per_step = (ctx.group().stats().bytes_sent - sent0) as f64 / steps;
+    let sent_per_step = (sent(ctx) - sent0) as f64 / steps;
     let median = crate::bench::median(&mut step_s);
     // Gradients live only during a step (returned, clipped, applied): the last step's, measured.
     let memory = MemoryStats {
