@@ -80,7 +80,7 @@ pub struct CheckpointConfig {
 }
 
 /// What a finished run reports (rank 0's view; every rank holds the same weights).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RunSummary {
     pub strategy: String,
     pub variant: Option<String>,

@@ -40,8 +40,10 @@ fn cfg() -> GptConfig {
 /// The synthetic corpus's 13 ids spread over the vocabulary (id·157: 0 … 1884), so that every
 /// tensor-parallel rank's slice of the embedding and the head holds some of them.
 fn batch(step: u64) -> Batch {
-    let tokens = Tokens(synthetic_corpus(50_000, 3).0.iter().map(|t| t * 157).collect());
-    DistributedSampler::new(64, ROWS, 0, 1, 5).expect("sampler").batch(&tokens, step)
+    // Built once per process, not per step.
+    static TOKENS: std::sync::OnceLock<Tokens> = std::sync::OnceLock::new();
+    let tokens = TOKENS.get_or_init(|| Tokens(synthetic_corpus(50_000, 3).0.iter().map(|t| t * 157).collect()));
+    DistributedSampler::new(64, ROWS, 0, 1, 5).expect("sampler").batch(tokens, step)
 }
 
 /// One run at tensor-parallel size t, as rank 0 of its group saw it.

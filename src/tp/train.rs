@@ -119,19 +119,12 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext, t: usize) -> anyhow::Result<Run
         tokens_per_s: tokens_per_step / median,
         final_loss: *losses.last().unwrap_or(&f64::NAN),
         losses,
-        comm_s: 0.0,
-        exposed_comm_s: 0.0,
-        hidden_comm_fraction: 0.0,
-        ddp: Default::default(),
         memory,
         bytes_sent_per_step: sent_per_step,
         peak_rss_bytes: crate::bench::peak_rss_bytes(),
-        cuda: None,
         precision: crate::precision::Precision::Fp32,
-        skipped_steps: 0,
-        checkpoint_save_s: 0.0,
-        checkpoint_bytes_written: 0,
-        resume_load_s: 0.0,
-        resume_bytes_read: 0,
+        // No DDP timings (TP's all-reduces are not timed apart from compute), no GPU, no
+        // checkpoints: their defaults.
+        ..Default::default()
     })
 }
