@@ -568,7 +568,21 @@ pub fn server_handshake<S: HandshakeStream>(
     deadline: Instant,
     check: impl FnOnce(&Identity) -> CommResult<()>,
 ) -> CommResult<Identity> {
-    let r = server_inner(s, secret, me, deadline, check);
+    server_handshake_observed(s, secret, me, deadline, || {}, check)
+}
+
+/// [`server_handshake`], calling `said_hello` once the peer has opened with a well-formed shardlab
+/// hello (not yet proven: a crowded listener uses it to evict silent strangers before peers that
+/// are talking).
+pub(crate) fn server_handshake_observed<S: HandshakeStream>(
+    s: &mut S,
+    secret: &Secret,
+    me: &Identity,
+    deadline: Instant,
+    said_hello: impl FnOnce(),
+    check: impl FnOnce(&Identity) -> CommResult<()>,
+) -> CommResult<Identity> {
+    let r = server_inner(s, secret, me, deadline, said_hello, check);
     let _ = s.set_io_timeout(None);
     r
 }
@@ -578,6 +592,7 @@ fn server_inner<S: HandshakeStream>(
     secret: &Secret,
     me: &Identity,
     deadline: Instant,
+    said_hello: impl FnOnce(),
     check: impl FnOnce(&Identity) -> CommResult<()>,
 ) -> CommResult<Identity> {
     let io = |e: std::io::Error| CommError::Auth(format!("handshake with an unauthenticated peer: {e}"));
@@ -585,6 +600,7 @@ fn server_inner<S: HandshakeStream>(
     let mut ch = [0u8; CLIENT_HELLO_LEN];
     read_full(s, &mut ch, deadline).map_err(io)?;
     let sh = hs.on_hello(&ch)?;
+    said_hello();
     write_full(s, &sh, deadline).map_err(io)?;
     let mut proof = [0u8; PROOF_LEN];
     read_full(s, &mut proof, deadline).map_err(io)?;

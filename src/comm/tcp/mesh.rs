@@ -6,9 +6,11 @@
 //! `addr/r`, dials every lower rank and accepts every higher rank. Every connection is
 //! authenticated first (the job's secret, challenge-response: [`auth`]), both sides proving
 //! their rank, world size and channel. Accepted connections are handshaken on short-lived threads
-//! with a deadline; at most `MAX_PENDING` wait at once (16 per address), and a new one evicts the
-//! oldest, so strangers that connect and stay silent or send garbage are dropped without locking
-//! the job's ranks out (a dialling rank that got evicted retries until the rendezvous deadline).
+//! with a deadline; at most `MAX_PENDING` wait at once (16 per address). A new one evicts the
+//! oldest that has stayed silent for `GRACE` (a peer that opened with a shardlab hello is not
+//! evicted; it proves itself or times out), or is dropped if there is none, so strangers that
+//! connect and stay silent or send garbage are dropped without locking the job's ranks out (a
+//! dialling rank that was dropped retries until the rendezvous deadline).
 
 use super::super::auth::{self, Identity};
 use super::super::error::{CommError, CommResult};
@@ -21,6 +23,11 @@ use std::time::{Duration, Instant};
 /// Connections handshaking at once on one rank's listeners, and per peer address.
 const MAX_PENDING: usize = 64;
 const MAX_PENDING_PER_ADDR: usize = 16;
+/// How long a new connection has to open with its hello before a newcomer may evict it. A real
+/// rank sends its hello as soon as it has connected; on loopback the job's ranks share an address
+/// with any local stranger, so without it a flood would evict a rank's connection before its
+/// hello was read.
+const GRACE: Duration = Duration::from_millis(50);
 
 /// The two connections to one peer.
 pub(super) struct Links {
@@ -68,6 +75,7 @@ type Accepted = CommResult<(Identity, TcpStream)>;
 /// (one lock), so a connection is either handed over whole or closed, never both.
 struct Pending {
     from: IpAddr,
+    since: Instant,
     handle: TcpStream,
     state: std::sync::Arc<std::sync::Mutex<Hs>>,
 }
@@ -75,18 +83,23 @@ struct Pending {
 #[derive(PartialEq)]
 enum Hs {
     Running,
+    SaidHello,
     Finished,
     Cut,
 }
 
 impl Pending {
     fn running(&self) -> bool {
-        *super::relock(&self.state) == Hs::Running
+        matches!(*super::relock(&self.state), Hs::Running | Hs::SaidHello)
+    }
+    /// Silent since it connected, at least `GRACE` ago: what a crowded listener cuts first.
+    fn evictable(&self) -> bool {
+        *super::relock(&self.state) == Hs::Running && self.since.elapsed() >= GRACE
     }
     /// Close it if it is still handshaking.
     fn cut(&self) {
         let mut st = super::relock(&self.state);
-        if *st == Hs::Running {
+        if matches!(*st, Hs::Running | Hs::SaidHello) {
             *st = Hs::Cut;
             let _ = self.handle.shutdown(Shutdown::Both);
         }
@@ -163,17 +176,19 @@ pub(super) fn connect(
                     Err(e) => return Err(CommError::io("accept", e)),
                 };
                 idle = false;
-                // Crowded: cut the oldest handshake short (of this address, if it has too many).
+                // Crowded: cut the oldest silent handshake short (of this address, if it has too
+                // many), or drop the newcomer if every one is talking or still within its grace.
                 let same = pending.iter().filter(|p| p.from == from).count();
-                let victim = if same >= MAX_PENDING_PER_ADDR {
-                    pending.iter().position(|p| p.from == from)
-                } else if pending.len() >= MAX_PENDING {
-                    Some(0)
-                } else {
-                    None
-                };
-                if let Some(i) = victim {
-                    pending.remove(i).unwrap().cut();
+                let crowded = same >= MAX_PENDING_PER_ADDR || pending.len() >= MAX_PENDING;
+                if crowded {
+                    let mine = same >= MAX_PENDING_PER_ADDR;
+                    match pending.iter().position(|p| (!mine || p.from == from) && p.evictable()) {
+                        Some(i) => pending.remove(i).unwrap().cut(),
+                        None => {
+                            let _ = s.shutdown(Shutdown::Both);
+                            continue;
+                        }
+                    }
                 }
                 let Ok(handle) = s.try_clone() else { continue };
                 let state = std::sync::Arc::new(std::sync::Mutex::new(Hs::Running));
@@ -194,7 +209,13 @@ pub(super) fn connect(
                         }
                         Ok(())
                     };
-                    let outcome = auth::server_handshake(&mut s, &secret, &me, until, check);
+                    let hello = || {
+                        let mut st = super::relock(&st);
+                        if *st == Hs::Running {
+                            *st = Hs::SaidHello;
+                        }
+                    };
+                    let outcome = auth::server_handshake_observed(&mut s, &secret, &me, until, hello, check);
                     let mut st = super::relock(&st);
                     if *st == Hs::Cut {
                         return; // evicted meanwhile: its socket is already shut
@@ -207,7 +228,7 @@ pub(super) fn connect(
                     }
                 });
                 if spawned.is_ok() {
-                    pending.push_back(Pending { from, handle, state });
+                    pending.push_back(Pending { from, since: Instant::now(), handle, state });
                 }
             }
             let got = if idle { rx.recv_timeout(Duration::from_millis(2)).ok() } else { rx.try_recv().ok() };
