@@ -125,6 +125,18 @@ pub struct RunSummary {
     pub resume_load_s: f64,
     #[serde(default)]
     pub resume_bytes_read: u64,
+    /// Under pipeline parallelism (rank 0): its measured bubble and activations held.
+    #[serde(default)]
+    pub pipeline: Option<PipelineStats>,
+}
+
+/// What a pipeline rank measured (`train --pp`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PipelineStats {
+    /// Idle fraction of the step (1 − compute / step time), median over the timed steps.
+    pub bubble: f64,
+    /// The most micro-batches whose activations the rank held at once.
+    pub peak_in_flight: usize,
 }
 
 impl GptJob {
@@ -161,6 +173,9 @@ impl GptJob {
 
     /// The per-worker loop (call inside [`Trainer::fit`]). Returns this rank's summary.
     pub fn run(&self, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
+        if ctx.scaling().pipeline.stages != 1 {
+            return crate::pipeline::train::run(self, ctx);
+        }
         if ctx.scaling().tensor_parallel != 1 {
             return crate::tp::train::run(self, ctx, ctx.scaling().tensor_parallel);
         }
@@ -300,6 +315,7 @@ impl GptJob {
             resume_bytes_read: load_bytes,
             precision: ctx.scaling().precision,
             skipped_steps: scaler.map_or(0, |s| s.skipped),
+            pipeline: None,
         })
     }
 
@@ -532,6 +548,9 @@ pub struct OneRun {
     /// Tensor-parallel group size (lesson 12); 1: none.
     #[serde(default = "one")]
     pub tp: usize,
+    /// Pipeline parallelism (lesson 13); 1 stage: none.
+    #[serde(default)]
+    pub pp: crate::pipeline::PipelineConfig,
 }
 
 fn one() -> usize {
@@ -562,6 +581,7 @@ pub fn run_one_if_asked() {
         s.offload = r.offload;
         s.device = r.device;
         s.tensor_parallel = r.tp;
+        s.pipeline = r.pp;
         let out = r.job.fit(s, false, false)?;
         println!("{}", serde_json::to_string(&out)?);
         Ok(())

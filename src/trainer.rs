@@ -128,6 +128,10 @@ pub struct ScalingConfig {
     /// rows (with `strategy: Ddp`), [`TpGpt`](crate::tp::TpGpt) within each; default 1 (none).
     #[serde(default = "one")]
     pub tensor_parallel: usize,
+    /// Pipeline parallelism (lesson 13): the world as (n/p) × p, data parallel over the rows
+    /// (with `strategy: Ddp`), a p-rank pipeline within each; default 1 stage (none).
+    #[serde(default)]
+    pub pipeline: crate::pipeline::PipelineConfig,
     pub comm: CommConfig,
     /// Arguments for re-executed worker processes (tests pass `--exact NAME`); default: ours.
     pub child_args: Option<Vec<String>>,
@@ -152,6 +156,7 @@ impl Default for ScalingConfig {
             reduce_dtype: Precision::Fp32,
             offload: false,
             tensor_parallel: 1,
+            pipeline: Default::default(),
             comm: CommConfig::default(),
             child_args: None,
         }

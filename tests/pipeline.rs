@@ -166,3 +166,119 @@ fn pipeline_1f1b_with_blocking_sends_tcp() {
         assert!((l - want).abs() < 1e-5, "rank {r}: loss {l}, one process {want}");
     }
 }
+
+/// A pipeline rank builds only its stages' parameters: `Gpt::new_only` materialises exactly
+/// the parameters of `params_of_ranks` (equal to `Gpt::new`'s, bit for bit), the others hold no
+/// storage; over the ranks (the tied embedding counted once) the bytes measured from the
+/// tensors add up to the whole model's.
+#[test]
+fn a_pipeline_rank_builds_only_its_stages() {
+    use shardlab::pipeline::train::params_of_ranks;
+    let cfg = GptConfig { vocab_size: 64, block_size: 16, n_layer: 4, n_head: 2, n_embd: 32 };
+    let whole = Gpt::new(cfg, 9).unwrap();
+    let whole_bytes = shardlab::memory::held_bytes(whole.parameters().iter());
+    for p in [1, 2, 3, 6] {
+        let owned = params_of_ranks(&cfg, p).unwrap();
+        let mut counted = std::collections::BTreeSet::new();
+        let mut sum = 0;
+        for (r, mine) in owned.iter().enumerate() {
+            let g = Gpt::new_only(cfg, 9, |i| mine.contains(&i)).unwrap();
+            for (i, (a, b)) in g.parameters().iter().zip(whole.parameters()).enumerate() {
+                if mine.contains(&i) {
+                    assert!(a.equal(&b), "p={p} rank {r}: parameter {i} differs from Gpt::new's");
+                    if counted.insert(i) {
+                        sum += shardlab::memory::held_bytes([a]);
+                    }
+                } else {
+                    assert_eq!(a.numel(), 0, "p={p} rank {r}: parameter {i} is not its stages' but is held");
+                }
+            }
+        }
+        assert_eq!(counted.len(), whole.parameters().len(), "p={p}: every parameter on some rank");
+        assert_eq!(sum, whole_bytes, "p={p}: the ranks' parameters add up to the model");
+        // The tied embedding (parameter 0) is on the first and the last rank only.
+        let with_wte: Vec<usize> = (0..p).filter(|&r| owned[r].contains(&0)).collect();
+        assert_eq!(with_wte, if p == 1 { vec![0] } else { vec![0, p - 1] }, "p={p}");
+    }
+    assert!(params_of_ranks(&cfg, 7).unwrap_err().contains("7 pipeline ranks for a model of 6 stages"));
+}
+
+/// `train --pp`: a job on 4 ranks as dp 2 × pp 2, and as one 4-stage pipeline, trains on the
+/// same global batch as DDP on 4 ranks, to the same losses (1e-5) and the same weights after the
+/// last step (saved whole from the stages; 1e-4 after 4 clipped AdamW steps), holding fewer
+/// parameter bytes per rank; bad shapes and what --pp cannot be combined with yet are refused with
+/// the reason.
+#[test]
+fn a_job_with_pp_trains_like_ddp() {
+    use shardlab::job::{DataSource, GptJob};
+    use shardlab::pipeline::PipelineConfig;
+    let dir = std::env::temp_dir().join(format!("shardlab-pp-job-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tokens.bin");
+    synthetic_corpus(4000, 3).write(&file).unwrap();
+    let job = GptJob {
+        model: GptConfig::tiny(),
+        batch_size: 2,
+        accum: 1,
+        steps: 4,
+        warmup: 0,
+        optim: AdamWConfig { lr: 3e-3, ..AdamWConfig::default() },
+        lr_schedule: Some(LrSchedule { max_lr: 3e-3, min_lr: 3e-4, warmup_iters: 1, decay_iters: 4 }),
+        grad_clip: Some(1.0),
+        data: DataSource::File(file.clone()),
+        seed: 1,
+        init: None,
+        save: None,
+        checkpoint: Default::default(),
+    };
+    let fit = |pipeline: PipelineConfig, strategy: Strategy, save: &str| {
+        let s = ScalingConfig { num_workers: 4, strategy, pipeline, ..ScalingConfig::default() };
+        GptJob { save: Some(dir.join(save)), ..job.clone() }.fit(s, false, false)
+    };
+    let pp = |stages, micro_batches, schedule| PipelineConfig { stages, micro_batches, schedule };
+    let ddp = fit(PipelineConfig::default(), Strategy::Ddp, "ddp.safetensors").unwrap();
+    let weights = |f: &str| {
+        let mut w: Vec<(String, Tensor)> = Tensor::read_safetensors(dir.join(f)).unwrap();
+        w.sort_by(|a, b| a.0.cmp(&b.0));
+        w
+    };
+    for (cfg, name, f) in [
+        (pp(2, 2, Schedule::OneFOneB), "ddp2×pp2", "pp2.safetensors"),
+        (pp(4, 4, Schedule::GPipe), "pp4", "pp4.safetensors"),
+    ] {
+        let r = fit(cfg, Strategy::Ddp, f).unwrap();
+        assert_eq!(r.strategy, name);
+        for (s, (a, b)) in r.losses.iter().zip(&ddp.losses).enumerate() {
+            assert!((a - b).abs() < 1e-5, "{name} step {s}: loss {a}, DDP on 4 ranks {b}");
+        }
+        for ((n, a), (_, b)) in weights(f).iter().zip(weights("ddp.safetensors")) {
+            let d = (a - &b).abs().max().double_value(&[]);
+            assert!(d < 1e-4, "{name}: {n} differs from DDP's by {d} after {} steps", job.steps);
+        }
+        assert!(r.bytes_sent_per_step > 0.0, "{name}: the bytes of the pp and dp groups are counted");
+        // Rank 0 holds the embeddings and its blocks only.
+        assert!(
+            r.memory.params < ddp.memory.params,
+            "{name}: pipeline rank 0 holds {} parameter bytes, a DDP rank {}",
+            r.memory.params,
+            ddp.memory.params
+        );
+        let st = r.pipeline.expect("a pipeline run reports its bubble");
+        assert!((0.0..1.0).contains(&st.bubble), "{name}: bubble {}", st.bubble);
+        let want = if cfg.schedule == Schedule::GPipe { cfg.micro_batches } else { cfg.stages };
+        assert_eq!(st.peak_in_flight, want, "{name}: rank 0's activations held");
+    }
+    let err = |cfg, strategy| format!("{:#}", fit(cfg, strategy, "x.safetensors").err().expect("refused"));
+    assert!(err(pp(3, 2, Schedule::OneFOneB), Strategy::Ddp).contains("--pp 3 does not divide the world of 4"));
+    assert!(err(pp(2, 3, Schedule::OneFOneB), Strategy::Ddp).contains("--micro-batches 3 does not divide"));
+    assert!(err(pp(2, 2, Schedule::OneFOneB), Strategy::Zero2).contains("not combined with --strategy zero2"));
+    let s = ScalingConfig {
+        num_workers: 4,
+        pipeline: pp(2, 2, Schedule::OneFOneB),
+        tensor_parallel: 2,
+        ..ScalingConfig::default()
+    };
+    let e = format!("{:#}", job.fit(s, false, false).err().expect("tp with pp"));
+    assert!(e.contains("not combined with --tp"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -9,8 +9,8 @@
 //! on this machine, one libtorch thread each. "held" is counted from the tensors rank 0 keeps
 //! between steps (parameters, gradients, AdamW state); "model" is the ZeRO model's figure for fp32
 //! AdamW (`shardlab::memory`); "sent" is the bytes rank 0's group really sent per step; "exposed" is
-//! the communication time per step not hidden behind compute. Lessons 12–13 add tensor and
-//! pipeline parallelism to this table.
+//! the communication time per step not hidden behind compute (for the pipeline, its bubble).
+//! Lessons 12–13 add the tp and pp rows: tensor and pipeline parallelism over all the ranks.
 
 use clap::Parser;
 use serde_json::json;
@@ -76,15 +76,17 @@ fn main() -> anyhow::Result<()> {
         );
     }
     let rows = [
-        (Strategy::Single, 1, 1, "04 (one process, whole batch)", psi * 16.0),
-        (Strategy::Ddp, a.world_size, 1, "04–05", zero.ddp),
-        (Strategy::Zero1, a.world_size, 1, "07", zero.zero1),
-        (Strategy::Zero2, a.world_size, 1, "07", zero.zero2),
-        (Strategy::Zero3, a.world_size, 1, "06–07 (= FSDP)", zero.zero3),
+        (Strategy::Single, 1, 1, 1, "04 (one process, whole batch)", psi * 16.0),
+        (Strategy::Ddp, a.world_size, 1, 1, "04–05", zero.ddp),
+        (Strategy::Zero1, a.world_size, 1, 1, "07", zero.zero1),
+        (Strategy::Zero2, a.world_size, 1, 1, "07", zero.zero2),
+        (Strategy::Zero3, a.world_size, 1, 1, "06–07 (= FSDP)", zero.zero3),
         // Tensor parallel over all the ranks (Megatron): every matrix split, the same rows on each.
-        (Strategy::Ddp, a.world_size, a.world_size, "12", psi * 16.0 / a.world_size as f64),
+        (Strategy::Ddp, a.world_size, a.world_size, 1, "12", psi * 16.0 / a.world_size as f64),
+        // One pipeline over all the ranks: the stages cut over them, 1F1B, 4 micro-batches.
+        (Strategy::Ddp, a.world_size, 1, a.world_size, "13", psi * 16.0 / a.world_size as f64),
     ];
-    for (strategy, world_size, tp, lesson, model) in rows {
+    for (strategy, world_size, tp, pp, lesson, model) in rows {
         // One process takes the whole global batch: the same work per step as the N ranks together.
         let job = GptJob { batch_size: a.batch_size * a.world_size / world_size, ..job.clone() };
         let r = job::run_isolated(&OneRun {
@@ -102,18 +104,30 @@ fn main() -> anyhow::Result<()> {
             offload: false,
             device: Default::default(),
             tp,
+            pp: shardlab::pipeline::PipelineConfig { stages: pp, ..Default::default() },
         })?;
-        let name = if tp > 1 { "tp".to_string() } else { format!("{strategy:?}").to_lowercase() };
-        // TP's all-reduces sit inside every layer and are not timed apart from compute.
+        let name = match () {
+            _ if tp > 1 => "tp".to_string(),
+            _ if pp > 1 => "pp".to_string(),
+            _ => format!("{strategy:?}").to_lowercase(),
+        };
+        // TP's all-reduces sit inside every layer and are not timed apart from compute; a
+        // pipeline's cost is its idle time, the bubble.
         let exposed_ms = r.exposed_comm_s / a.steps as f64 * 1e3;
-        let exposed = if tp > 1 { "-".to_string() } else { format!("{exposed_ms:.1}") };
+        let exposed = match &r.pipeline {
+            Some(p) => format!("bubble {:.0}%", 100.0 * p.bubble),
+            None if tp > 1 => "-".to_string(),
+            None => format!("{exposed_ms:.1}"),
+        };
         if a.json {
             println!(
                 "{}",
                 json!({"strategy": name, "world_size": world_size, "params": psi,
                 "held_bytes": r.memory.model_states(), "zero_model_bytes": model,
                 "bytes_sent_per_step": r.bytes_sent_per_step, "tokens_per_s": r.tokens_per_s,
-                "exposed_comm_ms_per_step": (tp == 1).then_some(exposed_ms), "final_loss": r.final_loss, "measured_steps": r.measured_steps})
+                "exposed_comm_ms_per_step": (tp == 1 && pp == 1).then_some(exposed_ms),
+                "bubble": r.pipeline.as_ref().map(|p| p.bubble),
+                "final_loss": r.final_loss, "measured_steps": r.measured_steps})
             );
         } else {
             println!(
@@ -131,14 +145,13 @@ fn main() -> anyhow::Result<()> {
     }
     if !a.json {
         println!(
-            "{:<8} {:>9} {:>9} {:>11} {:>10} {:>12} {:>11}  13 (one step, not training)",
-            "pp", "-", "-", "-", "-", "-", "-"
-        ); // lesson 13: one step, not a trainer yet
-        println!(
             "\nheld: parameters + gradients + AdamW state rank 0 keeps between steps (counted from its tensors);\n\
              model: the ZeRO model for fp32 (DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N;\n\
-             tp 16Ψ/N, its replicated LayerNorms, biases and position table aside; its gradients live only in the step);\n\
-             sent: bytes rank 0 sent per step; exposed: communication per step not hidden behind compute.\n\
+             tp 16Ψ/N, its replicated LayerNorms, biases and position table aside; its gradients live only in the step;\n\
+             pp ≈ 16Ψ/N when the stages are equal — rank 0 holds the embeddings and the first blocks, and the tied wte\n\
+             lives on the first and last rank);\n\
+             sent: bytes rank 0 sent per step; exposed: communication per step not hidden behind compute (pp: its\n\
+             idle fraction of the step instead, the bubble).\n\
              The same model and data under every strategy: the final losses agree (the course proves it in tests)."
         );
     }

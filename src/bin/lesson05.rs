@@ -80,6 +80,7 @@ fn main() -> anyhow::Result<()> {
         offload: false,
         device: Default::default(),
         tp: 1,
+        pp: Default::default(),
     };
     let sizes: Vec<usize> = cfg.param_shapes().iter().map(|(_, s)| 4 * s.iter().product::<i64>() as usize).collect();
     let mut rows = Vec::new();

@@ -62,6 +62,7 @@ fn main() -> anyhow::Result<()> {
         offload: false,
         device: Default::default(),
         tp: 1,
+        pp: Default::default(),
     };
     let runs: Vec<(Strategy, RunSummary)> = [Strategy::Ddp, Strategy::Zero3]
         .into_iter()

@@ -90,6 +90,7 @@ fn main() -> anyhow::Result<()> {
             offload: false,
             device: Default::default(),
             tp: 1,
+            pp: Default::default(),
         })?;
         let m = r.memory;
         let rss = r.peak_rss_bytes.unwrap_or(0) as f64;

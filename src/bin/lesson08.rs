@@ -107,6 +107,7 @@ fn main() -> anyhow::Result<()> {
             offload: false,
             device: Default::default(),
             tp: 1,
+            pp: Default::default(),
         })
     };
 

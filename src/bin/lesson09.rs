@@ -123,6 +123,7 @@ fn main() -> anyhow::Result<()> {
                 offload: false,
                 device: Default::default(),
                 tp: 1,
+                pp: Default::default(),
             };
             let r: RunSummary = job::run_isolated_with_env(&one, env)?;
             anyhow::Ok((r.peak_rss_bytes.unwrap_or(0) as f64, r.median_step_s, r.final_loss))

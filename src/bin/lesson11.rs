@@ -154,6 +154,7 @@ fn main() -> anyhow::Result<()> {
                 offload,
                 device: a.device,
                 tp: 1,
+                pp: Default::default(),
             })?;
             let (m, st) = (r.memory, r.ddp);
             let per_step = |b: u64| b as f64 / a.steps as f64 / 1e6;

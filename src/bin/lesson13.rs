@@ -6,7 +6,8 @@
 //!   cargo run --release --bin lesson13 -- --micro-batches 16 --schedule 1f1b
 //!   cargo run --release --bin lesson13 -- --json             # one JSON object per line (the notebook)
 //!
-//! Measured: each rank's compute slots (from after the receive an operation waited for to before
+//! Each rank builds only the parameters of its stages (`Gpt::new_only`).
+//! Measured: the parameter bytes each rank holds, each rank's compute slots (from after the receive an operation waited for to before
 //! its send), its idle fraction of the step (the bubble), the most micro-batches whose
 //! activations it held, and the step's loss next to one process's on the same batch.
 
@@ -55,7 +56,10 @@ fn main() -> anyhow::Result<()> {
     let configs: Vec<(Schedule, usize)> = kinds.iter().flat_map(|&k| ms.iter().map(move |&m| (k, m))).collect();
     let runs = configs.clone();
     let per_rank = spawn_with(SpawnOptions::new(P, Backend::Tcp), move |pg| {
-        let gpt = Gpt::new(cfg(), 9)?;
+        // Only this rank's stages' parameters: the same values as the whole model's (same seed).
+        let mine = pipeline::train::params_of_ranks(&cfg(), P).map_err(anyhow::Error::msg)?.swap_remove(pg.rank());
+        let gpt = Gpt::new_only(cfg(), 9, |i| mine.contains(&i))?;
+        let held = shardlab::memory::held_bytes(gpt.parameters().iter());
         let mut out = Vec::new();
         for &(kind, m) in &runs {
             pipeline_step(pg, &gpt, kind, &batch(), m, cfg().n_embd)?; // warm-up: allocations, first touches
@@ -70,14 +74,18 @@ fn main() -> anyhow::Result<()> {
                 .collect();
             out.push((s.bubble(), s.peak_in_flight, s.step_s, s.loss, slots));
         }
-        Ok(out)
+        Ok((held, out))
     })?;
+    let held: Vec<u64> = per_rank.iter().map(|r| r.0).collect();
+    let per_rank: Vec<_> = per_rank.into_iter().map(|r| r.1).collect();
     let measured: Measured = configs
         .iter()
         .enumerate()
         .map(|(c, &(k, m))| (k, m, per_rank.iter().map(|r| r[c].clone()).collect()))
         .collect();
-    let reference = Gpt::new(cfg(), 9)?.loss(&batch()).double_value(&[]);
+    let whole = Gpt::new(cfg(), 9)?;
+    let reference = whole.loss(&batch()).double_value(&[]);
+    let whole_bytes = shardlab::memory::held_bytes(whole.parameters().iter());
 
     // 1. The diagrams of an idealised pipeline (t_b = 2·t_f).
     if !a.json {
@@ -126,10 +134,20 @@ fn main() -> anyhow::Result<()> {
             c.block_size,
             pipeline::partition(c.n_layer as usize + 2, P).map_err(anyhow::Error::msg)?
         );
+        let mb: Vec<String> = held.iter().map(|&b| format!("{:.3}", b as f64 / 1e6)).collect();
+        println!(
+            "  parameters held per rank (MB, from its tensors): {} — the whole model {:.3} MB (ranks 0 and {} both hold the tied wte)",
+            mb.join(" "),
+            whole_bytes as f64 / 1e6,
+            P - 1
+        );
         println!(
             "  {:<9} {:>3} {:>9} {:>28} {:>16} {:>12}",
             "schedule", "m", "formula", "bubble per rank (measured)", "held per rank", "step ms"
         );
+    }
+    if a.json {
+        println!("{}", json!({"section": "params", "p": P, "held_bytes": held, "whole_model_bytes": whole_bytes}));
     }
     for (kind, m, ranks) in &measured {
         let loss_ok = ranks.iter().all(|r| (r.3 - reference).abs() < 1e-5);

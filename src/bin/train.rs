@@ -41,6 +41,18 @@ struct Args {
     /// With --strategy ddp; 1: none.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// Pipeline parallelism (lesson 13): the GPT's stages (embeddings, blocks, head) cut over this
+    /// many ranks, each building only its own; the world is (world-size / pp) data-parallel
+    /// replicas of pp ranks each. With --strategy ddp; 1: none.
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// With --pp: micro-batches per replica's batch (--batch-size × --pp rows); more shrink the
+    /// bubble, (pp − 1)/(micro-batches + pp − 1).
+    #[arg(long, default_value_t = 4)]
+    micro_batches: usize,
+    /// With --pp: the schedule, gpipe or 1f1b.
+    #[arg(long, value_enum, default_value = "1f1b")]
+    schedule: shardlab::pipeline::Schedule,
     /// DDP bucket cap in MiB (PyTorch's bucket_cap_mb).
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
@@ -257,6 +269,17 @@ fn main() -> anyhow::Result<()> {
     if args.strategy == Strategy::Single && args.world_size != 1 {
         bail!("--strategy single runs one process; use --strategy ddp for --world-size {}", args.world_size);
     }
+    if args.pp != 1 {
+        anyhow::ensure!(
+            args.strategy == Strategy::Ddp,
+            "--pp {} runs with --strategy ddp (the data-parallel dimension: --world-size / --pp replicas)",
+            args.pp
+        );
+        anyhow::ensure!(
+            args.max_restarts == 0 && !args.shrink_on_failure,
+            "--pp is not combined with elastic restarts yet"
+        );
+    }
     if args.tp != 1 {
         anyhow::ensure!(
             args.strategy == Strategy::Ddp,
@@ -285,6 +308,11 @@ fn main() -> anyhow::Result<()> {
     scaling.offload = args.offload;
     scaling.device = args.device;
     scaling.tensor_parallel = args.tp;
+    scaling.pipeline = shardlab::pipeline::PipelineConfig {
+        stages: args.pp,
+        micro_batches: args.micro_batches,
+        schedule: args.schedule,
+    };
     let s = if args.max_restarts > 0 || args.shrink_on_failure {
         let elastic = job::Elastic {
             max_restarts: args.max_restarts,
@@ -352,7 +380,15 @@ fn main() -> anyhow::Result<()> {
             s.final_loss,
             s.tokens_per_s,
             s.median_step_s * 1e3,
-            if args.tp > 1 {
+            if let Some(p) = &s.pipeline {
+                // Sends and receives sit between every stage: the idle time is what is measured.
+                format!(
+                    "{:.2} MB sent per step by rank 0, bubble {:.0}%, at most {} micro-batches held",
+                    s.bytes_sent_per_step / 1e6,
+                    100.0 * p.bubble,
+                    p.peak_in_flight
+                )
+            } else if args.tp > 1 {
                 // TP's all-reduces sit inside every layer: no overlap is measured, the bytes are.
                 format!("{:.2} MB sent per step by rank 0", s.bytes_sent_per_step / 1e6)
             } else {

@@ -97,22 +97,33 @@ impl Gpt {
     /// (`c_proj.weight`) N(0, 0.02/√(2·n_layer)), biases 0, LayerNorm gains 1. Deterministic in
     /// `seed` (same weights on every rank and in every launch mode).
     pub fn new(cfg: GptConfig, seed: u64) -> anyhow::Result<Self> {
+        Self::new_only(cfg, seed, |_| true)
+    }
+
+    /// [`new`](Self::new), materialising only the parameters `keep(i)` names (by index in
+    /// `named_parameters`); the others are empty (0 elements). The random stream is drawn in full
+    /// (and discarded where not kept), so a kept parameter equals `new`'s: a pipeline rank builds
+    /// only the parameters of its stages (lesson 13) and never holds the rest.
+    pub fn new_only(cfg: GptConfig, seed: u64, keep: impl Fn(usize) -> bool) -> anyhow::Result<Self> {
         cfg.validate()?;
         let vs = nn::VarStore::new(Device::Cpu);
         let mut rng = Rng::new(seed);
         let mut params = Vec::new();
-        for (name, shape) in cfg.param_shapes() {
+        for (i, (name, shape)) in cfg.param_shapes().into_iter().enumerate() {
             let numel: i64 = shape.iter().product();
-            let init =
-                if name.ends_with("ln_1.weight") || name.ends_with("ln_2.weight") || name.ends_with("ln_f.weight") {
-                    Tensor::ones(shape.as_slice(), (Kind::Float, Device::Cpu))
-                } else if shape.len() == 1 {
-                    Tensor::zeros(shape.as_slice(), (Kind::Float, Device::Cpu))
-                } else {
-                    let std =
-                        if name.ends_with("c_proj.weight") { 0.02 / ((2 * cfg.n_layer) as f64).sqrt() } else { 0.02 };
-                    Tensor::from_slice(&rng.normal_vec(numel as usize, std)).view(shape.as_slice())
-                };
+            let init = if !keep(i) {
+                if shape.len() >= 2 {
+                    (0..numel).for_each(|_| _ = rng.normal()); // advance the stream as `new` does
+                }
+                Tensor::zeros([0], (Kind::Float, Device::Cpu))
+            } else if name.ends_with("ln_1.weight") || name.ends_with("ln_2.weight") || name.ends_with("ln_f.weight") {
+                Tensor::ones(shape.as_slice(), (Kind::Float, Device::Cpu))
+            } else if shape.len() == 1 {
+                Tensor::zeros(shape.as_slice(), (Kind::Float, Device::Cpu))
+            } else {
+                let std = if name.ends_with("c_proj.weight") { 0.02 / ((2 * cfg.n_layer) as f64).sqrt() } else { 0.02 };
+                Tensor::from_slice(&rng.normal_vec(numel as usize, std)).view(shape.as_slice())
+            };
             let group = if shape.len() >= 2 { 0 } else { 1 };
             let mut path = vs.root().set_group(group);
             let parts: Vec<&str> = name.split('.').collect();
@@ -123,6 +134,16 @@ impl Gpt {
             params.push((name, t));
         }
         Ok(Gpt { cfg, vs, params, precision: Precision::Fp32 })
+    }
+
+    /// Free every parameter but those `keep(i)` names (their data becomes empty, in place): a
+    /// model loaded whole (from `init` weights) cut down to a pipeline rank's stages.
+    pub fn keep_only(&self, keep: impl Fn(usize) -> bool) {
+        for (i, (_, p)) in self.params.iter().enumerate() {
+            if !keep(i) {
+                p.shallow_clone().set_data(&Tensor::zeros([0], (Kind::Float, p.device())));
+            }
+        }
     }
 
     /// Compute the matrix multiplies (the linear layers, attention and the logits) in `precision`,

@@ -24,6 +24,24 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod train;
+
+/// A pipeline-parallel run's shape (`train --pp N --micro-batches M --schedule S`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineConfig {
+    /// Pipeline ranks (stages of ranks) per replica; 1: no pipeline.
+    pub stages: usize,
+    /// Micro-batches each replica's batch is cut into.
+    pub micro_batches: usize,
+    pub schedule: Schedule,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        PipelineConfig { stages: 1, micro_batches: 4, schedule: Schedule::OneFOneB }
+    }
+}
+
 /// Which schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]

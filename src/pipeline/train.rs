@@ -1,0 +1,285 @@
+//! Training the GPT with pipeline parallelism (`train --pp N`, lesson 13): the world of n ranks
+//! as an (n/p) × p mesh — data parallel over its rows, a p-stage pipeline within each. Each rank
+//! builds only the parameters of its stages ([`stage_model`]: [`Gpt::new_only`]), runs
+//! [`pipeline_step`] on its replica's rows, averages its gradients over its dp column, clips by
+//! the pipeline's global norm, and steps AdamW on what it holds. The tied embedding lives on the
+//! first and the last rank, gets the same summed gradient on both and so stays the same.
+//!
+//! The global batch is `batch_size × n` rows, as for the data-parallel strategies: each replica
+//! (a pipeline of p ranks) takes `batch_size × p` of them, cut into `micro_batches`. So a run with
+//! `--pp` trains on what DDP on the same ranks would (the same losses within f32 rounding:
+//! `tests/pipeline.rs`).
+//!
+//! What is not combined with it yet: `--tp` (3-D parallelism), mixed precision, gradient
+//! accumulation (micro-batches are pipeline parallelism's accumulation), activation
+//! checkpointing, distributed checkpoints, offload, GPUs and ZeRO on the dp dimension — each
+//! refused with the reason on every rank before any computes.
+
+use super::{partition, pipeline_step, PipelineConfig, PipelineStep};
+use crate::comm::{CommError, CommResult, DeviceMesh, ProcessGroup, ReduceOp};
+use crate::data::DistributedSampler;
+use crate::job::{GptJob, RunSummary};
+use crate::memory::MemoryStats;
+use crate::model::{Batch, Gpt, GptConfig, Model};
+use crate::optim::{clip_coef, AdamW, Decay, Optimizer};
+use crate::trainer::{Strategy, TrainContext};
+use serde_json::json;
+use std::time::Instant;
+use tch::{Kind, Tensor};
+
+/// Which parameters (by index in the GPT's `named_parameters`) each of `p` pipeline ranks uses:
+/// those of its stages, the tied embedding on the first and the last rank.
+pub fn params_of_ranks(cfg: &GptConfig, p: usize) -> Result<Vec<Vec<usize>>, String> {
+    let skeleton = Gpt::new_only(*cfg, 0, |_| false).map_err(|e| e.to_string())?;
+    let uses = skeleton.stage_uses();
+    let parts = partition(skeleton.num_stages(), p)?;
+    Ok(parts
+        .into_iter()
+        .map(|r| {
+            let mut v: Vec<usize> = r.flat_map(|s| uses[s].iter().copied()).collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        })
+        .collect())
+}
+
+/// Rank `rank`'s model of a `p`-stage pipeline: the GPT of `job` (its seed, or its `init`
+/// weights) with only the parameters of this rank's stages materialised.
+pub fn stage_model(job: &GptJob, p: usize, rank: usize) -> anyhow::Result<Gpt> {
+    let mine = params_of_ranks(&job.model, p).map_err(anyhow::Error::msg)?.swap_remove(rank);
+    let keep = |i: usize| mine.binary_search(&i).is_ok();
+    if job.init.is_some() {
+        let m = job.build_model()?; // loaded whole from the file, then cut down
+        m.keep_only(keep);
+        Ok(m)
+    } else {
+        Gpt::new_only(job.model, job.seed, keep)
+    }
+}
+
+/// One optimizer step of a pipeline rank: [`pipeline_step`] over `pp` on this replica's `batch`;
+/// with `dp`, the gradients (and the loss) averaged over the data-parallel group; the global norm
+/// over the whole pipeline (each tied parameter counted once) clipped to `grad_clip`; then `opt`
+/// on the parameters this rank holds (by index, ascending). Returns the step (loss: the replicas'
+/// mean, as DDP's) and the norm before clipping. An error on one rank aborts both groups, so that
+/// no rank waits in a collective for it and no rank steps alone.
+#[allow(clippy::too_many_arguments)]
+pub fn train_step(
+    pp: &ProcessGroup,
+    dp: Option<&ProcessGroup>,
+    model: &Gpt,
+    cfg: &PipelineConfig,
+    opt: &mut dyn Optimizer,
+    lr: f64,
+    grad_clip: Option<f64>,
+    batch: &Batch,
+) -> CommResult<(PipelineStep, f64)> {
+    let fail = |e: CommError| {
+        let m = format!("rank {}: pipeline train step: {e}", pp.rank());
+        pp.abort(&m);
+        if let Some(dp) = dp {
+            dp.abort(&m);
+        }
+        CommError::InvalidArgument(m)
+    };
+    let c = model.cfg.n_embd;
+    let mut step = pipeline_step(pp, model, cfg.schedule, batch, cfg.micro_batches, c).map_err(fail)?;
+    let all = model.parameters();
+    let owned = params_of_ranks(&model.cfg, pp.world_size()).map_err(|e| fail(CommError::InvalidArgument(e)))?;
+    let (idx, mut grads): (Vec<usize>, Vec<Tensor>) = std::mem::take(&mut step.grads).into_iter().unzip();
+    let params: Vec<Tensor> = idx.iter().map(|&k| all[k].shallow_clone()).collect();
+    let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
+    // Before any collective commits the ranks to stepping (Optimizer::check's contract).
+    opt.check(&params, &grads, &decay).map_err(|e| fail(CommError::InvalidArgument(e)))?;
+    if let Some(dp) = dp {
+        let n = dp.world_size() as f64;
+        // grads: this rank's stages' parameters, averaged over dp (bucketing would group them).
+        for g in &mut grads {
+            dp.all_reduce(g, ReduceOp::Sum)?;
+            let _ = g.g_div_scalar_(n);
+        }
+        let mut l = Tensor::from_slice(&[step.loss]);
+        dp.all_reduce(&mut l, ReduceOp::Sum)?;
+        step.loss = l.double_value(&[0]) / n;
+    }
+    // The global norm: each rank's squares, a tied parameter only on the lowest rank using it.
+    let lowest = |k: usize| owned.iter().position(|o| o.contains(&k));
+    let sq: f64 = idx
+        .iter()
+        .zip(&grads)
+        .filter(|(&k, _)| lowest(k) == Some(pp.rank()))
+        .map(|(_, g)| g.square().sum(Kind::Double).double_value(&[]))
+        .sum();
+    let mut s = Tensor::from_slice(&[sq]);
+    pp.all_reduce(&mut s, ReduceOp::Sum)?;
+    let norm = s.double_value(&[0]).sqrt();
+    if let Some(c) = grad_clip {
+        let k = clip_coef(norm, c);
+        if k < 1.0 {
+            grads.iter_mut().for_each(|g| _ = g.g_mul_scalar_(k));
+        }
+    }
+    opt.step(lr, &params, &grads, &decay).map_err(|e| fail(CommError::InvalidArgument(e)))?;
+    step.grads = idx.into_iter().zip(grads).collect();
+    Ok((step, norm))
+}
+
+/// What `--pp` cannot be combined with yet, as an error (the same on every rank).
+fn unsupported(job: &GptJob, ctx: &TrainContext, pc: &PipelineConfig) -> Option<String> {
+    let s = ctx.scaling();
+    let (n, p, m) = (ctx.world_size(), pc.stages, pc.micro_batches);
+    let stages = job.model.n_layer as usize + 2;
+    if p == 0 || n % p != 0 {
+        return Some(format!("--pp {p} does not divide the world of {n} ranks into pipelines"));
+    }
+    if p > stages {
+        return Some(format!(
+            "--pp {p}: the GPT has {stages} stages (embeddings, {} blocks, head): more pipeline ranks than stages",
+            job.model.n_layer
+        ));
+    }
+    let rows = job.batch_size * p;
+    if m == 0 || rows % m != 0 {
+        return Some(format!(
+            "--micro-batches {m} does not divide a pipeline's {rows} rows (--batch-size {} × --pp {p})",
+            job.batch_size
+        ));
+    }
+    let no = |what: &str| Some(format!("--pp is not combined with {what} yet (lesson 13, \"What is not done yet\")"));
+    match () {
+        _ if s.tensor_parallel != 1 => no("--tp (3-D parallelism)"),
+        _ if s.strategy != Strategy::Ddp => no(&format!(
+            "--strategy {}: the data-parallel dimension averages gradients as DDP does; use --strategy ddp",
+            format!("{:?}", s.strategy).to_lowercase()
+        )),
+        _ if s.precision != crate::precision::Precision::Fp32 => no("mixed precision"),
+        _ if job.accum != 1 => no("gradient accumulation (raise --micro-batches instead)"),
+        _ if s.activation_checkpointing != crate::stages::Checkpointing::None => no("activation checkpointing"),
+        _ if job.checkpoint.dir.is_some() || job.checkpoint.resume.is_some() => no("distributed checkpoints"),
+        _ if s.offload => no("offload"),
+        _ if s.device != crate::device::DeviceChoice::Cpu || s.use_gpu => no("GPUs"),
+        _ => None,
+    }
+}
+
+/// The per-worker loop of a pipeline-parallel job (called by [`GptJob::run`] when the scaling
+/// config asks for `pipeline.stages > 1`). Returns this rank's summary.
+pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
+    let pc = ctx.scaling().pipeline;
+    if let Some(e) = unsupported(job, ctx, &pc) {
+        anyhow::bail!(e);
+    }
+    let (n, p) = (ctx.world_size(), pc.stages);
+    let mesh = DeviceMesh::new(ctx.group(), &[n / p, p], &["dp", "pp"])?;
+    let (pp, dp) = (mesh.group("pp"), mesh.group("dp"));
+    let data = job.data.load()?;
+    let model = stage_model(job, p, pp.rank())?;
+    let params = job.model.num_params();
+    let mut opt = AdamW::new(job.optim);
+    let sampler =
+        DistributedSampler::new(job.model.block_size as usize, job.batch_size * n, mesh.coord("dp"), n / p, job.seed)?;
+    let tokens_per_step = (job.batch_size * n) as f64 * job.model.block_size as f64;
+    let (mut step_s, mut losses, mut bubbles) = (Vec::new(), Vec::new(), Vec::new());
+    let mut peak_in_flight = 0;
+    // Bytes this rank sends, over the world and its two mesh groups (each its own communicator).
+    let sent = |ctx: &TrainContext| ctx.group().stats().bytes_sent + pp.stats().bytes_sent + dp.stats().bytes_sent;
+    let sent0 = sent(ctx);
+    let mut grad_bytes = 0;
+    crate::bench::reset_peak_rss();
+    let warmup = job.warmup.min(job.steps.saturating_sub(1));
+    for step in 0..job.steps {
+        crate::launch::injected_failure("step", ctx.rank(), step)?;
+        let batch = sampler.batch(&data, step);
+        ctx.group().barrier()?;
+        let t0 = Instant::now();
+        let lr = job.schedule().lr(step);
+        let dp_group = (n / p > 1).then_some(dp);
+        let (st, norm) = train_step(pp, dp_group, &model, &pc, &mut opt, lr, job.grad_clip, &batch)
+            .map_err(|e| anyhow::anyhow!("step {step}: {e}"))?;
+        let dt = t0.elapsed().as_secs_f64();
+        let loss = st.loss;
+        anyhow::ensure!(
+            loss.is_finite(),
+            "step {step}: the loss is {loss} (learning rate {lr} too high?); the last losses: {:.4?}. The step was applied",
+            &losses[losses.len().saturating_sub(4)..]
+        );
+        losses.push(loss);
+        grad_bytes = crate::memory::held_bytes(st.grads.values());
+        peak_in_flight = peak_in_flight.max(st.peak_in_flight);
+        if step >= warmup {
+            step_s.push(dt);
+            bubbles.push(st.bubble());
+        }
+        ctx.report(json!({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
+                          "tokens_per_s": tokens_per_step / dt, "bubble": st.bubble()}))?;
+    }
+    if let Some(path) = &job.save {
+        save_whole(job, &model, pp, mesh.coord("dp") == 0 && pp.rank() == 0, path)?;
+    }
+    let steps = job.steps.max(1) as f64;
+    let sent_per_step = (sent(ctx) - sent0) as f64 / steps;
+    let median = crate::bench::median(&mut step_s);
+    let memory = MemoryStats {
+        params: crate::memory::held_bytes(model.parameters().iter()),
+        grads: grad_bytes,
+        optim: opt.state_bytes(),
+        ..Default::default()
+    };
+    Ok(RunSummary {
+        strategy: if n / p > 1 { format!("ddp{}×pp{p}", n / p) } else { format!("pp{p}") },
+        variant: Some(format!("{:?}, {} micro-batches", pc.schedule, pc.micro_batches)),
+        world_size: n,
+        params,
+        tokens_per_step,
+        measured_steps: step_s.len(),
+        median_step_s: median,
+        tokens_per_s: tokens_per_step / median,
+        final_loss: *losses.last().unwrap_or(&f64::NAN),
+        losses,
+        memory,
+        bytes_sent_per_step: sent_per_step,
+        peak_rss_bytes: crate::bench::peak_rss_bytes(),
+        precision: crate::precision::Precision::Fp32,
+        pipeline: Some(crate::job::PipelineStats { bubble: crate::bench::median(&mut bubbles), peak_in_flight }),
+        ..Default::default()
+    })
+}
+
+/// Gather the whole model onto `writer` (replica 0's first pipeline rank) and save it: every
+/// other rank of replica 0's pipeline sends the parameters it is the lowest user of.
+fn save_whole(
+    job: &GptJob,
+    model: &Gpt,
+    pp: &ProcessGroup,
+    writer: bool,
+    path: &std::path::Path,
+) -> anyhow::Result<()> {
+    let owned = params_of_ranks(&model.cfg, pp.world_size()).map_err(anyhow::Error::msg)?;
+    let lowest = |k: usize| owned.iter().position(|o| o.contains(&k)).expect("every parameter has a stage");
+    let mine = model.parameters();
+    let shapes = model.cfg.param_shapes();
+    let full: Vec<Tensor> = (0..mine.len())
+        .map(|k| -> CommResult<Tensor> {
+            let q = lowest(k);
+            if q == 0 {
+                Ok(mine[k].detach().copy())
+            } else if pp.rank() == 0 {
+                let mut t = Tensor::zeros(shapes[k].1.as_slice(), (Kind::Float, tch::Device::Cpu));
+                pp.recv(&mut t, q)?;
+                Ok(t)
+            } else {
+                if pp.rank() == q {
+                    pp.send(&mine[k], 0)?;
+                }
+                Ok(Tensor::new())
+            }
+        })
+        .collect::<CommResult<_>>()?;
+    if writer {
+        let gpt = Gpt::new(job.model, job.seed)?;
+        tch::no_grad(|| gpt.parameters().iter().zip(&full).for_each(|(p, f)| _ = p.shallow_clone().copy_(f)));
+        gpt.save_safetensors(path)?;
+    }
+    Ok(())
+}
