@@ -18,6 +18,21 @@
 //! s·b·h·(34 + 5·a·s/h) bytes for sequence s, micro-batch b, hidden h, heads a; with full
 //! activation checkpointing only each layer's 16-bit input, 2·s·b·h bytes, is kept (plus one
 //! layer's worth recomputed at a time).
+//!
+//! With tensor parallelism of degree t, sequence parallelism and pipeline parallelism (the same
+//! paper, Table 2 and §4.2.3; lessons 12–13), per layer and device:
+//!
+//! | | bytes per layer |
+//! |---|---|
+//! | tensor parallel | s·b·h·(10 + 24/t + 5·a·s/(h·t)) |
+//! | + sequence parallel | s·b·h·(34 + 5·a·s/h)/t |
+//! | tensor parallel, selective recompute | s·b·h·(10 + 24/t) |
+//! | + sequence parallel, selective recompute | s·b·h·34/t |
+//! | full recompute | 2·s·b·h (the layer's input) |
+//!
+//! A pipeline stage holds L/p layers for each micro-batch in flight: m under GPipe, min(p, m)
+//! under 1F1B, so 1F1B's first stage holds about L layers' worth whatever p. Model states with
+//! dp × tp × pp: each device holds about Ψ/(t·p) parameters, sharded further by ZeRO over dp.
 
 use serde::{Deserialize, Serialize};
 
@@ -72,6 +87,58 @@ pub fn activation_bytes(t: &TransformerShape) -> (f64, f64) {
     (l * per_layer, l * 2.0 * s * b * h + per_layer)
 }
 
+/// What a layer keeps for its backward (Korthikanti et al. 2022, §5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Everything the backward needs.
+    None,
+    /// Everything but the attention's s × s matrices (softmax, its dropout mask, the dropped
+    /// scores), recomputed in backward.
+    Selective,
+    /// Only the layer's input; the whole layer is recomputed (lesson 09's `full`).
+    Full,
+}
+
+/// Activation bytes of one transformer layer on one device, 16-bit activations, tensor parallel
+/// over `tp` devices (1: none), with or without sequence parallelism (Korthikanti et al. 2022,
+/// Table 2).
+pub fn layer_activation_bytes(t: &TransformerShape, tp: f64, sequence_parallel: bool, r: Recompute) -> f64 {
+    let (s, b, h, a) = (t.seq, t.micro_batch, t.hidden, t.heads);
+    let sbh = s * b * h;
+    match (r, sequence_parallel) {
+        // The LayerNorm inputs, dropout masks and residuals (10·sbh) are replicated over tp
+        // unless sequence parallelism shards them along s.
+        (Recompute::None, false) => sbh * (10.0 + 24.0 / tp + 5.0 * a * s / (h * tp)),
+        (Recompute::None, true) => sbh * (34.0 + 5.0 * a * s / h) / tp,
+        (Recompute::Selective, false) => sbh * (10.0 + 24.0 / tp),
+        (Recompute::Selective, true) => sbh * 34.0 / tp,
+        (Recompute::Full, _) => 2.0 * sbh,
+    }
+}
+
+/// Peak activation bytes on pipeline stage 0 (the most loaded) of an L-layer model: L/p layers
+/// for each micro-batch in flight — m under GPipe, min(p, m) under 1F1B — plus, under full
+/// recompute, one layer's activations recomputed at a time. Embedding and output layers aside.
+pub fn stage_activation_bytes(
+    t: &TransformerShape,
+    tp: f64,
+    sequence_parallel: bool,
+    r: Recompute,
+    pp: f64,
+    micro_batches: f64,
+    schedule: crate::pipeline::Schedule,
+) -> f64 {
+    let in_flight = match schedule {
+        crate::pipeline::Schedule::GPipe => micro_batches,
+        crate::pipeline::Schedule::OneFOneB => pp.min(micro_batches),
+    };
+    let kept = t.layers / pp * in_flight * layer_activation_bytes(t, tp, sequence_parallel, r);
+    let recomputing =
+        if r == Recompute::Full { layer_activation_bytes(t, tp, sequence_parallel, Recompute::None) } else { 0.0 };
+    kept + recomputing
+}
+
 /// The fewest devices (searching 1..=`max_dp`) whose per-device memory — model states for the
 /// strategy plus `activations` — fits in `device_bytes`; `None` if even `max_dp` does not fit.
 pub fn devices_needed(params: f64, k: f64, activations: f64, device_bytes: f64, max_dp: u64) -> [Option<u64>; 4] {
@@ -121,6 +188,41 @@ mod tests {
         assert!((70e9_f64 * 12.0 / 8.0 / 1e9 - 105.0).abs() < 1e-9);
         assert!((model_state_bytes(70e9, 8.0, K_MIXED_ADAM).zero3 / 1e9 - 140.0).abs() < 1e-9);
         assert!((model_state_bytes(70e9, 8.0, 8.0).zero3 / 1e9 - 105.0).abs() < 1e-9);
+    }
+
+    /// Korthikanti et al. 2022's headline: sequence parallelism with selective recompute cuts
+    /// activation memory about 5× against tensor parallelism alone, for their GPT-3 175B and MT-NLG
+    /// 530B configurations at t = 8 (Table 3: a = 96, h = 12288 and a = 128, h = 20480;
+    /// s = 2048). Per s·b·h: 175B, 10 + 24/8 + 5·96·2048/(12288·8) = 23 against 34/8 = 4.25 (5.4×);
+    /// 530B, 10 + 3 + 8 = 21 against 4.25 (4.9×).
+    #[test]
+    fn sequence_parallel_and_selective_recompute_save_about_5x() {
+        for (a, h, ratio) in [(96.0, 12288.0, 23.0 / 4.25), (128.0, 20480.0, 21.0 / 4.25)] {
+            let t = TransformerShape { layers: 1.0, hidden: h, heads: a, seq: 2048.0, micro_batch: 1.0 };
+            let tp_only = layer_activation_bytes(&t, 8.0, false, Recompute::None);
+            let both = layer_activation_bytes(&t, 8.0, true, Recompute::Selective);
+            assert!((tp_only / both - ratio).abs() < 1e-9, "a={a} h={h}: {}", tp_only / both);
+            assert!((4.8..5.5).contains(&(tp_only / both)));
+            // t = 1 is the unparallelised layer of activation_bytes.
+            let one = layer_activation_bytes(&t, 1.0, false, Recompute::None);
+            assert!((one - activation_bytes(&t).0).abs() < 1.0);
+            assert_eq!(one, layer_activation_bytes(&t, 1.0, true, Recompute::None));
+        }
+    }
+
+    /// §4.2.3: under 1F1B the first stage holds p micro-batches of L/p layers, about L layers
+    /// whatever p; GPipe holds all m.
+    #[test]
+    fn the_first_pipeline_stage_holds_l_layers_under_1f1b() {
+        use crate::pipeline::Schedule;
+        let t = TransformerShape { layers: 96.0, hidden: 12288.0, heads: 96.0, seq: 2048.0, micro_batch: 1.0 };
+        let layer = layer_activation_bytes(&t, 8.0, true, Recompute::Selective);
+        for p in [2.0, 8.0, 32.0] {
+            let got = stage_activation_bytes(&t, 8.0, true, Recompute::Selective, p, 64.0, Schedule::OneFOneB);
+            assert!((got - 96.0 * layer).abs() < 1.0, "p={p}");
+            let gpipe = stage_activation_bytes(&t, 8.0, true, Recompute::Selective, p, 64.0, Schedule::GPipe);
+            assert!((gpipe - 96.0 / p * 64.0 * layer).abs() < 1.0, "p={p}");
+        }
     }
 
     #[test]
