@@ -811,7 +811,7 @@ fn strangers_on_the_rank_listeners_do_not_stop_the_job() {
             let (stop, job) = (&stop, job.as_str());
             let flood = if i < 2 { 200 } else { 50 };
             hs.push(sc.spawn(move || {
-                let mut held = Vec::new();
+                let (mut held, mut stallers) = (Vec::new(), Vec::new());
                 while !stop.load(Ordering::SeqCst) {
                     // Silent.
                     if let Ok(s) = TcpStream::connect_timeout(&a, Duration::from_millis(200)) {
@@ -829,7 +829,17 @@ fn strangers_on_the_rank_listeners_do_not_stop_the_job() {
                         // Auth once the listener answers with its proof; Io if a busy listener dropped us.
                         assert!(r.is_err(), "a rank accepted a wrong secret");
                     }
-                    // A flood.
+                    // Well-formed hellos (no secret needed to write one), then nothing: strangers
+                    // that stall where a rank would send its proof. Always 20 of them, more than
+                    // the listener's per-address cap, each replaced before the listener's own
+                    // handshake deadline (5 s) would close it.
+                    stallers.retain(|(at, _): &(Instant, TcpStream)| at.elapsed() < Duration::from_secs(4));
+                    while stallers.len() < 20 {
+                        let Ok(mut s) = TcpStream::connect_timeout(&a, Duration::from_millis(200)) else { break };
+                        let me = Identity::new(job, 3, 4, CHANNEL_DATA);
+                        let _ = s.write_all(ClientHandshake::new(&secret(0xee), &me).unwrap().hello());
+                        stallers.push((Instant::now(), s));
+                    }
                     // A flood, held open (bounded, so this process keeps file descriptors for the ranks).
                     if held.len() > flood {
                         held.clear();

@@ -7,10 +7,11 @@
 //! authenticated first (the job's secret, challenge-response: [`auth`]), both sides proving
 //! their rank, world size and channel. Accepted connections are handshaken on short-lived threads
 //! with a deadline; at most `MAX_PENDING` wait at once (16 per address). A new one evicts the
-//! oldest that has stayed silent for `GRACE` (a peer that opened with a shardlab hello is not
-//! evicted; it proves itself or times out), or is dropped if there is none, so strangers that
-//! connect and stay silent or send garbage are dropped without locking the job's ranks out (a
-//! dialling rank that was dropped retries until the rendezvous deadline).
+//! oldest that has overstayed: silent for `GRACE` since it connected, or, after opening with a
+//! shardlab hello, without its proof for `PROOF_GRACE` (a rank sends its proof one round trip
+//! after its hello). If none has, the newcomer is dropped. So strangers that connect and stay
+//! silent, send garbage, or say hello and stall are dropped without locking the job's ranks out
+//! (a dialling rank that was dropped or evicted retries until the rendezvous deadline).
 
 use super::super::auth::{self, Identity};
 use super::super::error::{CommError, CommResult};
@@ -26,8 +27,10 @@ const MAX_PENDING_PER_ADDR: usize = 16;
 /// How long a new connection has to open with its hello before a newcomer may evict it. A real
 /// rank sends its hello as soon as it has connected; on loopback the job's ranks share an address
 /// with any local stranger, so without it a flood would evict a rank's connection before its
-/// hello was read.
-const GRACE: Duration = Duration::from_millis(50);
+/// hello was read (measured from the accept, so it also covers starting the handshake's thread).
+const GRACE: Duration = Duration::from_millis(100);
+/// How long a connection that said hello is safe from eviction while its proof is due.
+const PROOF_GRACE: Duration = Duration::from_secs(1);
 
 /// The two connections to one peer.
 pub(super) struct Links {
@@ -83,23 +86,36 @@ struct Pending {
 #[derive(PartialEq)]
 enum Hs {
     Running,
-    SaidHello,
+    /// Opened with a well-formed hello at this instant; its proof is due.
+    SaidHello(Instant),
     Finished,
     Cut,
 }
 
 impl Pending {
     fn running(&self) -> bool {
-        matches!(*super::relock(&self.state), Hs::Running | Hs::SaidHello)
+        matches!(*super::relock(&self.state), Hs::Running | Hs::SaidHello(_))
     }
-    /// Silent since it connected, at least `GRACE` ago: what a crowded listener cuts first.
-    fn evictable(&self) -> bool {
-        *super::relock(&self.state) == Hs::Running && self.since.elapsed() >= GRACE
+    /// Cut it short if it has overstayed (silent for `GRACE` since it connected, or without its
+    /// proof for `PROOF_GRACE` since its hello): checked and cut under one lock, so a hello read
+    /// meanwhile is not cut. True if it was cut.
+    fn evict_if_overstayed(&self) -> bool {
+        let mut st = super::relock(&self.state);
+        let overstayed = match *st {
+            Hs::Running => self.since.elapsed() >= GRACE,
+            Hs::SaidHello(at) => at.elapsed() >= PROOF_GRACE,
+            Hs::Finished | Hs::Cut => false,
+        };
+        if overstayed {
+            *st = Hs::Cut;
+            let _ = self.handle.shutdown(Shutdown::Both);
+        }
+        overstayed
     }
     /// Close it if it is still handshaking.
     fn cut(&self) {
         let mut st = super::relock(&self.state);
-        if matches!(*st, Hs::Running | Hs::SaidHello) {
+        if matches!(*st, Hs::Running | Hs::SaidHello(_)) {
             *st = Hs::Cut;
             let _ = self.handle.shutdown(Shutdown::Both);
         }
@@ -176,14 +192,14 @@ pub(super) fn connect(
                     Err(e) => return Err(CommError::io("accept", e)),
                 };
                 idle = false;
-                // Crowded: cut the oldest silent handshake short (of this address, if it has too
-                // many), or drop the newcomer if every one is talking or still within its grace.
+                // Crowded: cut the oldest handshake that overstayed short (of this address, if it
+                // has too many), or drop the newcomer if every one is still within its grace.
                 let same = pending.iter().filter(|p| p.from == from).count();
                 let crowded = same >= MAX_PENDING_PER_ADDR || pending.len() >= MAX_PENDING;
                 if crowded {
                     let mine = same >= MAX_PENDING_PER_ADDR;
-                    match pending.iter().position(|p| (!mine || p.from == from) && p.evictable()) {
-                        Some(i) => pending.remove(i).unwrap().cut(),
+                    match pending.iter().position(|p| (!mine || p.from == from) && p.evict_if_overstayed()) {
+                        Some(i) => drop(pending.remove(i)),
                         None => {
                             let _ = s.shutdown(Shutdown::Both);
                             continue;
@@ -212,7 +228,7 @@ pub(super) fn connect(
                     let hello = || {
                         let mut st = super::relock(&st);
                         if *st == Hs::Running {
-                            *st = Hs::SaidHello;
+                            *st = Hs::SaidHello(Instant::now());
                         }
                     };
                     let outcome = auth::server_handshake_observed(&mut s, &secret, &me, until, hello, check);
