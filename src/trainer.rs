@@ -128,6 +128,9 @@ pub struct ScalingConfig {
     /// rows (with `strategy: Ddp`), [`TpGpt`](crate::tp::TpGpt) within each; default 1 (none).
     #[serde(default = "one")]
     pub tensor_parallel: usize,
+    /// With `tensor_parallel > 1`: sequence parallelism ([`TpGpt::with_sequence_parallel`](crate::tp::TpGpt::with_sequence_parallel)).
+    #[serde(default)]
+    pub sequence_parallel: bool,
     /// Pipeline parallelism (lesson 13): the world as (n/p) × p, data parallel over the rows
     /// (with `strategy: Ddp`), a p-rank pipeline within each; default 1 stage (none).
     #[serde(default)]
@@ -156,6 +159,7 @@ impl Default for ScalingConfig {
             reduce_dtype: Precision::Fp32,
             offload: false,
             tensor_parallel: 1,
+            sequence_parallel: false,
             pipeline: Default::default(),
             comm: CommConfig::default(),
             child_args: None,

@@ -184,6 +184,77 @@ fn gpt_block_split_by_heads_matches_the_gpt() {
     assert!(e.iter().all(|e| e.contains("4 heads do not split over 3")), "{e:?}");
 }
 
+/// Sequence parallelism (Korthikanti et al. 2022): each rank passes only its T/t tokens through
+/// the LayerNorms and residuals, all-gathering before the split matmuls and reduce-scattering
+/// after them. Against the GPT's own block on one process: this rank's tokens' output and dL/dx,
+/// and every parameter's gradient (the replicated ones summed over the group), within 2e-5. The
+/// group's counters: 4 all-gathers, 4 reduce-scatters and 1 all-reduce (the replicated
+/// parameters' gradients, 6·C floats), no other collective; the bytes sent are those of the
+/// plain block's 4 all-reduces, plus at most twice the 6·C floats of the small one.
+#[test]
+fn gpt_block_with_sequence_parallelism_matches_the_gpt() {
+    use shardlab::tp::TpBlock;
+    const TS: i64 = 8; // tokens, split over t = 2 and 4
+    let cfg = GptConfig { vocab_size: 32, block_size: TS, n_layer: 1, n_head: 4, n_embd: 16 };
+    let gpt = perturbed(cfg);
+    let (x, dy) = (wave(&[B, TS, 16], 0.53, 1.0), wave(&[B, TS, 16], 0.91, 1.0));
+    let x1 = x.copy().set_requires_grad(true);
+    let y = gpt.block(0, &x1);
+    (&y * &dy).sum(Kind::Float).backward();
+    let block: Vec<Tensor> = gpt.parameters().drain(2..14).collect();
+    let (y_ref, dx_ref) = (y.detach(), x1.grad());
+    let grads_ref: Vec<Tensor> = block.iter().map(|p| p.grad()).collect();
+    for tp in [2usize, 4] {
+        let out = spawn(tp, Backend::Local, move |pg| {
+            let gpt = perturbed(cfg);
+            let full: Vec<Tensor> = gpt.parameters()[2..14].iter().map(|p| p.detach()).collect();
+            let (x, dy) = (wave(&[B, TS, 16], 0.53, 1.0), wave(&[B, TS, 16], 0.91, 1.0));
+            let n = TS / tp as i64;
+            let mine = |t: &Tensor| t.narrow(1, pg.rank() as i64 * n, n);
+            // The plain block first, for its bytes.
+            let mut plain = TpBlock::from_full(&full, cfg.n_head, pg).map_err(anyhow::Error::msg)?;
+            let before = pg.stats();
+            let _ = plain.forward(pg, &x)?;
+            let _ = plain.backward(pg, &dy)?;
+            let plain_sent = pg.stats().since(&before).bytes_sent;
+            let mut b = TpBlock::from_full(&full, cfg.n_head, pg).map_err(anyhow::Error::msg)?.sequence_parallel(true);
+            let before = pg.stats();
+            let y = b.forward(pg, &mine(&x))?;
+            let (grads, dx) = b.backward(pg, &mine(&dy))?;
+            let st = pg.stats().since(&before);
+            let calls = [OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllReduce].map(|k| st.calls(k));
+            let mut all = vec![y, dx];
+            all.extend(b.unshard(pg, &grads)?);
+            let flat: Vec<Vec<f32>> = all.iter().map(|t| Vec::<f32>::try_from(t.reshape([-1])).unwrap()).collect();
+            Ok((flat, calls, st.collectives, st.bytes_sent, plain_sent))
+        })
+        .unwrap();
+        let n = TS / tp as i64;
+        for (rank, (flat, calls, collectives, sent, plain_sent)) in out.into_iter().enumerate() {
+            let mine = |t: &Tensor| t.narrow(1, rank as i64 * n, n);
+            let mut want = vec![mine(&y_ref), mine(&dx_ref)];
+            want.extend(grads_ref.iter().map(|g| g.shallow_clone()));
+            for (i, (got, want)) in flat.iter().zip(&want).enumerate() {
+                let got = Tensor::from_slice(got).reshape(want.size());
+                let d = max_diff(&got, want);
+                let what = match i {
+                    0 => "y (this rank's tokens)".to_string(),
+                    1 => "dL/dx (this rank's tokens)".to_string(),
+                    k => format!("the gradient of block parameter {}", k - 2),
+                };
+                assert!(d < 2e-5, "tp={tp} rank {rank}: {what} differs from the GPT's block by {d}");
+            }
+            assert_eq!(calls, [4, 4, 1], "tp={tp} rank {rank}: all-gathers, reduce-scatters, all-reduces");
+            assert_eq!(collectives, 9, "tp={tp} rank {rank}: no other collective");
+            let small = 2 * 6 * 16 * 4;
+            assert!(
+                sent >= plain_sent && sent <= plain_sent + small,
+                "tp={tp} rank {rank}: sequence parallel sent {sent} bytes, the plain block {plain_sent}"
+            );
+        }
+    }
+}
+
 /// The vocabulary split over the group: the loss and the gradient of the logits equal libtorch's
 /// cross-entropy on the full (N, V) logits, without gathering them (three all-reduces of N floats).
 #[test]
@@ -306,18 +377,25 @@ fn one_process_with(ignored: bool) -> (Vec<f64>, Vec<Tensor>, Vec<Tensor>) {
     (losses, first, gpt.parameters().iter().map(|p| p.detach().copy()).collect())
 }
 
-type TpOut = (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>, u64, u64, u64);
+type TpOut = (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>, [u64; 4], u64);
 
 /// `STEPS` steps of TpGpt over a tp group: losses, the first step's gradients and the final
-/// parameters (gathered back to full), the first step's all-reduces and other collectives, and
-/// the parameter bytes this rank holds.
+/// parameters (gathered back to full), the first step's all-reduces, all-gathers,
+/// reduce-scatters and other collectives, and the parameter bytes this rank holds.
 fn tp_run(pg: &ProcessGroup) -> anyhow::Result<TpOut> {
-    let mut m = shardlab::tp::TpGpt::from_gpt(&Gpt::new(GPT, 9)?, pg).map_err(anyhow::Error::msg)?;
+    tp_run_with(pg, false)
+}
+
+fn tp_run_with(pg: &ProcessGroup, sequence_parallel: bool) -> anyhow::Result<TpOut> {
+    let mut m = shardlab::tp::TpGpt::from_gpt(&Gpt::new(GPT, 9)?, pg)
+        .map_err(anyhow::Error::msg)?
+        .with_sequence_parallel(sequence_parallel);
     let mut o = opt();
     let step0 = m.forward_backward(pg, &batch(0))?;
     let first = m.unshard(pg, &step0.grads)?;
-    let (calls, others) =
-        (step0.comm.calls(OpKind::AllReduce), step0.comm.collectives - step0.comm.calls(OpKind::AllReduce));
+    let c = |k| step0.comm.calls(k);
+    let (ar, ag, rs) = (c(OpKind::AllReduce), c(OpKind::AllGather), c(OpKind::ReduceScatter));
+    let calls = [ar, ag, rs, step0.comm.collectives - ar - ag - rs];
     let mut losses = vec![];
     for step in 0..STEPS {
         let (loss, _norm) = m.train_step(pg, None, &mut o, 3e-3, Some(1.0), &batch(step))?;
@@ -325,13 +403,18 @@ fn tp_run(pg: &ProcessGroup) -> anyhow::Result<TpOut> {
     }
     let params = m.unshard(pg, &m.params())?;
     let flat = |v: &[Tensor]| v.iter().map(|t| Vec::<f32>::try_from(t.reshape([-1])).unwrap()).collect::<Vec<_>>();
-    Ok((losses, flat(&first), flat(&params), calls, others, m.param_bytes()))
+    Ok((losses, flat(&first), flat(&params), calls, m.param_bytes()))
 }
 
 fn check_tp(tp: usize, out: Vec<TpOut>) {
+    check_tp_with(tp, out, false)
+}
+
+fn check_tp_with(tp: usize, out: Vec<TpOut>, sequence_parallel: bool) {
     let (losses, first, fin) = one_process();
     let full_bytes = shardlab::memory::held_bytes(Gpt::new(GPT, 9).unwrap().parameters().iter());
-    for (rank, (l, g, p, calls, others, bytes)) in out.into_iter().enumerate() {
+    let nl = GPT.n_layer as u64;
+    for (rank, (l, g, p, calls, bytes)) in out.into_iter().enumerate() {
         for (s, (a, b)) in l.iter().zip(&losses).enumerate() {
             assert!((a - b).abs() < 1e-5, "tp={tp} rank {rank} step {s}: loss {a}, one process {b}");
         }
@@ -343,9 +426,18 @@ fn check_tp(tp: usize, out: Vec<TpOut>) {
             let d = max_diff(&Tensor::from_slice(got).reshape(want.size()), want);
             assert!(d < 1e-4, "tp={tp} rank {rank}: parameter {i} after {STEPS} steps differs by {d}");
         }
-        // 1 (embedding) + 4 per block + 1 (head) + 3 (loss), and nothing else.
-        assert_eq!(calls, 4 * GPT.n_layer as u64 + 5, "tp={tp} rank {rank}: all-reduces per step");
-        assert_eq!(others, 0, "tp={tp} rank {rank}: a TP step uses all-reduces only");
+        let want = if sequence_parallel {
+            // All-reduces: 1 per block (its replicated gradients), 3 (loss), 1 (ln_f's gradients);
+            // all-gathers and reduce-scatters: 4 per block, 1 each for the head and the embedding.
+            [nl + 4, 4 * nl + 2, 4 * nl + 2, 0]
+        } else {
+            // 1 (embedding) + 4 per block + 1 (head) + 3 (loss) all-reduces, and nothing else.
+            [4 * nl + 5, 0, 0, 0]
+        };
+        assert_eq!(
+            calls, want,
+            "tp={tp} sp={sequence_parallel} rank {rank}: all-reduces, all-gathers, reduce-scatters, others"
+        );
         // The matrices and the embedding are split; what is replicated (LayerNorms, wpe, biases
         // of the row-parallel layers) is small: a rank holds well under 1/t + 10% of the model.
         assert!(
@@ -363,6 +455,26 @@ fn tp_gpt_trains_like_one_process_local() {
     for tp in [2usize, 4] {
         check_tp(tp, spawn(tp, Backend::Local, tp_run).unwrap());
     }
+}
+
+/// The same with sequence parallelism: the same losses, gradients and parameters as one process
+/// (same tolerances), with the all-reduces of activations replaced by all-gathers and
+/// reduce-scatters (counted); a sequence that does not split is refused on every rank.
+#[test]
+fn tp_gpt_with_sequence_parallelism_trains_like_one_process() {
+    for tp in [2usize, 4] {
+        check_tp_with(tp, spawn(tp, Backend::Local, |pg| tp_run_with(pg, true)).unwrap(), true);
+    }
+    let e = spawn(2, Backend::Local, |pg| {
+        let mut m = shardlab::tp::TpGpt::from_gpt(&Gpt::new(GPT, 9)?, pg)
+            .map_err(anyhow::Error::msg)?
+            .with_sequence_parallel(true);
+        let b = batch(0);
+        let odd = Batch { x: b.x.narrow(1, 0, 5), y: b.y.narrow(1, 0, 5) };
+        Ok(m.forward_backward(pg, &odd).err().map(|e| e.to_string()).unwrap_or_default())
+    })
+    .unwrap();
+    assert!(e.iter().all(|e| e.contains("5 tokens do not split over 2 ranks")), "{e:?}");
 }
 
 #[test]
@@ -448,16 +560,28 @@ fn a_job_with_tp_trains_like_ddp() {
         save: None,
         checkpoint: Default::default(),
     };
-    let fit = |tp: usize, strategy: Strategy| {
-        let s = ScalingConfig { num_workers: 4, strategy, tensor_parallel: tp, ..ScalingConfig::default() };
+    let fit_sp = |tp: usize, strategy: Strategy, sequence_parallel: bool| {
+        let s = ScalingConfig {
+            num_workers: 4,
+            strategy,
+            tensor_parallel: tp,
+            sequence_parallel,
+            ..ScalingConfig::default()
+        };
         job.fit(s, false, false)
     };
+    let fit = |tp: usize, strategy: Strategy| fit_sp(tp, strategy, false);
     let ddp = fit(1, Strategy::Ddp).unwrap();
     let tp = fit(2, Strategy::Ddp).unwrap();
     assert_eq!(tp.strategy, "ddp2×tp2");
     assert!(tp.bytes_sent_per_step > 0.0, "the bytes of the tp and dp groups are counted");
     for (s, (a, b)) in tp.losses.iter().zip(&ddp.losses).enumerate() {
         assert!((a - b).abs() < 1e-5, "step {s}: dp 2 × tp 2 loss {a}, DDP on 4 ranks {b}");
+    }
+    let sp = fit_sp(2, Strategy::Ddp, true).unwrap();
+    assert_eq!(sp.strategy, "ddp2×tp2+sp");
+    for (s, (a, b)) in sp.losses.iter().zip(&ddp.losses).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {s}: dp 2 × tp 2 with sequence parallelism: loss {a}, DDP on 4 ranks {b}");
     }
     assert!(
         tp.memory.params < ddp.memory.params,

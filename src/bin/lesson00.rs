@@ -35,6 +35,13 @@ struct Args {
     json: bool,
 }
 
+/// Parameters pipeline rank 0 holds when the GPT's stages are cut over `p` ranks.
+fn rank0_params(cfg: &GptConfig, p: usize) -> anyhow::Result<f64> {
+    let mine = shardlab::pipeline::train::params_of_ranks(cfg, p).map_err(anyhow::Error::msg)?.swap_remove(0);
+    let shapes = cfg.param_shapes();
+    Ok(mine.iter().map(|&k| shapes[k].1.iter().product::<i64>() as f64).sum())
+}
+
 fn main() -> anyhow::Result<()> {
     job::run_one_if_asked();
     let a = Args::parse();
@@ -71,8 +78,8 @@ fn main() -> anyhow::Result<()> {
             a.steps
         );
         println!(
-            "{:<8} {:>9} {:>9} {:>11} {:>10} {:>12} {:>11}  {}",
-            "strategy", "held MB", "model MB", "sent MB/st", "tokens/s", "exposed ms", "final loss", "lesson"
+            "{:<8} {:>9} {:>9} {:>8} {:>11} {:>10} {:>12} {:>11}  {}",
+            "strategy", "held MB", "model MB", "RSS MB", "sent MB/st", "tokens/s", "exposed ms", "final loss", "lesson"
         );
     }
     let rows = [
@@ -83,8 +90,9 @@ fn main() -> anyhow::Result<()> {
         (Strategy::Zero3, a.world_size, 1, 1, "06–07 (= FSDP)", zero.zero3),
         // Tensor parallel over all the ranks (Megatron): every matrix split, the same rows on each.
         (Strategy::Ddp, a.world_size, a.world_size, 1, "12", psi * 16.0 / a.world_size as f64),
-        // One pipeline over all the ranks: the stages cut over them, 1F1B, 4 micro-batches.
-        (Strategy::Ddp, a.world_size, 1, a.world_size, "13", psi * 16.0 / a.world_size as f64),
+        // One pipeline over all the ranks: the stages cut over them, 1F1B, 4 micro-batches. The
+        // model: 16 bytes per parameter of rank 0's stages.
+        (Strategy::Ddp, a.world_size, 1, a.world_size, "13", 16.0 * rank0_params(&cfg, a.world_size)?),
     ];
     for (strategy, world_size, tp, pp, lesson, model) in rows {
         // One process takes the whole global batch: the same work per step as the N ranks together.
@@ -123,7 +131,7 @@ fn main() -> anyhow::Result<()> {
             println!(
                 "{}",
                 json!({"strategy": name, "world_size": world_size, "params": psi,
-                "held_bytes": r.memory.model_states(), "zero_model_bytes": model,
+                "held_bytes": r.memory.model_states(), "zero_model_bytes": model, "peak_rss_bytes": r.peak_rss_bytes,
                 "bytes_sent_per_step": r.bytes_sent_per_step, "tokens_per_s": r.tokens_per_s,
                 "exposed_comm_ms_per_step": (tp == 1 && pp == 1).then_some(exposed_ms),
                 "bubble": r.pipeline.as_ref().map(|p| p.bubble),
@@ -131,10 +139,11 @@ fn main() -> anyhow::Result<()> {
             );
         } else {
             println!(
-                "{:<8} {:>9.1} {:>9.1} {:>11.1} {:>10.0} {:>12} {:>11.4}  {}",
+                "{:<8} {:>9.1} {:>9.1} {:>8.0} {:>11.1} {:>10.0} {:>12} {:>11.4}  {}",
                 name,
                 r.memory.model_states() as f64 / 1e6,
                 model / 1e6,
+                r.peak_rss_bytes.unwrap_or(0) as f64 / 1e6,
                 r.bytes_sent_per_step / 1e6,
                 r.tokens_per_s,
                 exposed,
@@ -147,11 +156,13 @@ fn main() -> anyhow::Result<()> {
         println!(
             "\nheld: parameters + gradients + AdamW state rank 0 keeps between steps (counted from its tensors);\n\
              model: the ZeRO model for fp32 (DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N;\n\
-             tp 16Ψ/N, its replicated LayerNorms, biases and position table aside; its gradients live only in the step;\n\
-             pp ≈ 16Ψ/N when the stages are equal — rank 0 holds the embeddings and the first blocks, and the tied wte\n\
-             lives on the first and last rank);\n\
+             tp 16Ψ/N, its replicated LayerNorms, biases and position table aside; pp 16 bytes × rank 0's parameters,\n\
+             the embeddings and the first blocks, the tied wte also on the last rank; tp's and pp's gradients live only\n\
+             in the step: held counts the last step's);\n\
+             RSS: rank 0's process peak resident memory during the steps (model states, activations, buffers,\n\
+             libtorch's own; single: the one process, with the whole batch);\n\
              sent: bytes rank 0 sent per step; exposed: communication per step not hidden behind compute (pp: its\n\
-             idle fraction of the step instead, the bubble).\n\
+             idle fraction of the pipelined forward and backward instead, the bubble).\n\
              The same model and data under every strategy: the final losses agree (the course proves it in tests)."
         );
     }

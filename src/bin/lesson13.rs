@@ -6,10 +6,10 @@
 //!   cargo run --release --bin lesson13 -- --micro-batches 16 --schedule 1f1b
 //!   cargo run --release --bin lesson13 -- --json             # one JSON object per line (the notebook)
 //!
-//! Each rank builds only the parameters of its stages (`Gpt::new_only`).
-//! Measured: the parameter bytes each rank holds, each rank's compute slots (from after the receive an operation waited for to before
-//! its send), its idle fraction of the step (the bubble), the most micro-batches whose
-//! activations it held, and the step's loss next to one process's on the same batch.
+//! Each rank builds only the parameters of its stages (`Gpt::new_only`). Measured: the parameter
+//! bytes each rank holds, each rank's compute slots (from after the receive an operation waited
+//! for to before its send), its idle fraction of the step (the bubble), the most micro-batches
+//! whose activations it held, and the step's loss next to one process's on the same batch.
 
 use clap::Parser;
 use serde_json::json;

@@ -41,18 +41,22 @@ struct Args {
     /// With --strategy ddp; 1: none.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// With --tp: sequence parallelism (Korthikanti et al. 2022): LayerNorms and residuals on
+    /// T/tp tokens per rank, all-gather and reduce-scatter in place of the activations' all-reduces.
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Pipeline parallelism (lesson 13): the GPT's stages (embeddings, blocks, head) cut over this
     /// many ranks, each building only its own; the world is (world-size / pp) data-parallel
     /// replicas of pp ranks each. With --strategy ddp; 1: none.
     #[arg(long, default_value_t = 1)]
     pp: usize,
-    /// With --pp: micro-batches per replica's batch (--batch-size × --pp rows); more shrink the
-    /// bubble, (pp − 1)/(micro-batches + pp − 1).
-    #[arg(long, default_value_t = 4)]
-    micro_batches: usize,
-    /// With --pp: the schedule, gpipe or 1f1b.
-    #[arg(long, value_enum, default_value = "1f1b")]
-    schedule: shardlab::pipeline::Schedule,
+    /// With --pp: micro-batches per replica's batch (--batch-size × --pp rows; default 4); more
+    /// shrink the bubble, (pp − 1)/(micro-batches + pp − 1).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// With --pp: the schedule, gpipe or 1f1b (default).
+    #[arg(long, value_enum)]
+    schedule: Option<shardlab::pipeline::Schedule>,
     /// DDP bucket cap in MiB (PyTorch's bucket_cap_mb).
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
@@ -269,6 +273,14 @@ fn main() -> anyhow::Result<()> {
     if args.strategy == Strategy::Single && args.world_size != 1 {
         bail!("--strategy single runs one process; use --strategy ddp for --world-size {}", args.world_size);
     }
+    anyhow::ensure!(
+        !args.sequence_parallel || args.tp > 1,
+        "--sequence-parallel splits over the --tp group: give --tp"
+    );
+    anyhow::ensure!(
+        args.pp != 1 || (args.micro_batches.is_none() && args.schedule.is_none()),
+        "--micro-batches and --schedule shape a pipeline: give --pp too"
+    );
     if args.pp != 1 {
         anyhow::ensure!(
             args.strategy == Strategy::Ddp,
@@ -308,10 +320,12 @@ fn main() -> anyhow::Result<()> {
     scaling.offload = args.offload;
     scaling.device = args.device;
     scaling.tensor_parallel = args.tp;
+    scaling.sequence_parallel = args.sequence_parallel;
+    let d = shardlab::pipeline::PipelineConfig::default();
     scaling.pipeline = shardlab::pipeline::PipelineConfig {
         stages: args.pp,
-        micro_batches: args.micro_batches,
-        schedule: args.schedule,
+        micro_batches: args.micro_batches.unwrap_or(d.micro_batches),
+        schedule: args.schedule.unwrap_or(d.schedule),
     };
     let s = if args.max_restarts > 0 || args.shrink_on_failure {
         let elastic = job::Elastic {

@@ -136,6 +136,28 @@ impl Gpt {
         Ok(Gpt { cfg, vs, params, precision: Precision::Fp32 })
     }
 
+    /// [`Model::param_stages`] of the GPT of `cfg`, without building it: each parameter's first
+    /// stage (embeddings 0, block l's parameters l + 1, ln_f the last).
+    pub fn param_stages_of(cfg: &GptConfig) -> Vec<usize> {
+        let last = cfg.n_layer as usize + 1;
+        let n = cfg.param_shapes().len();
+        (0..n)
+            .map(|i| match i {
+                0 | 1 => 0, // wte (also the lm_head: its gradient completes in the embedding stage, last in backward) and wpe
+                i if i >= n - 2 => last,
+                i => 1 + (i - 2) / 12,
+            })
+            .collect()
+    }
+
+    /// [`Model::stage_uses`] of the GPT of `cfg`, without building it: the head stage also uses
+    /// wte (the tied lm_head).
+    pub fn stage_uses_of(cfg: &GptConfig) -> Vec<Vec<usize>> {
+        let mut uses = super::first_uses(cfg.n_layer as usize + 2, &Gpt::param_stages_of(cfg));
+        uses.last_mut().expect("stages").push(0);
+        uses
+    }
+
     /// Free every parameter but those `keep(i)` names (their data becomes empty, in place): a
     /// model loaded whole (from `init` weights) cut down to a pipeline rank's stages.
     pub fn keep_only(&self, keep: impl Fn(usize) -> bool) {
@@ -352,19 +374,9 @@ impl Model for Gpt {
     }
     /// The head stage also uses wte (the tied lm_head).
     fn stage_uses(&self) -> Vec<Vec<usize>> {
-        let mut uses = super::first_uses(self.num_stages(), &self.param_stages());
-        uses.last_mut().expect("stages").push(0);
-        uses
+        Gpt::stage_uses_of(&self.cfg)
     }
     fn param_stages(&self) -> Vec<usize> {
-        let last = self.num_stages() - 1;
-        let n = self.params.len();
-        (0..n)
-            .map(|i| match i {
-                0 | 1 => 0, // wte (also the lm_head: its gradient completes in the embedding stage, last in backward) and wpe
-                i if i >= n - 2 => last,
-                i => 1 + (i - 2) / 12,
-            })
-            .collect()
+        Gpt::param_stages_of(&self.cfg)
     }
 }

@@ -33,6 +33,7 @@ pub struct PipelineConfig {
     pub stages: usize,
     /// Micro-batches each replica's batch is cut into.
     pub micro_batches: usize,
+    /// The order of each stage's forwards and backwards.
     pub schedule: Schedule,
 }
 

@@ -30,9 +30,8 @@ use tch::{Kind, Tensor};
 /// Which parameters (by index in the GPT's `named_parameters`) each of `p` pipeline ranks uses:
 /// those of its stages, the tied embedding on the first and the last rank.
 pub fn params_of_ranks(cfg: &GptConfig, p: usize) -> Result<Vec<Vec<usize>>, String> {
-    let skeleton = Gpt::new_only(*cfg, 0, |_| false).map_err(|e| e.to_string())?;
-    let uses = skeleton.stage_uses();
-    let parts = partition(skeleton.num_stages(), p)?;
+    let uses = Gpt::stage_uses_of(cfg);
+    let parts = partition(uses.len(), p)?;
     Ok(parts
         .into_iter()
         .map(|r| {
@@ -62,8 +61,9 @@ pub fn stage_model(job: &GptJob, p: usize, rank: usize) -> anyhow::Result<Gpt> {
 /// with `dp`, the gradients (and the loss) averaged over the data-parallel group; the global norm
 /// over the whole pipeline (each tied parameter counted once) clipped to `grad_clip`; then `opt`
 /// on the parameters this rank holds (by index, ascending). Returns the step (loss: the replicas'
-/// mean, as DDP's) and the norm before clipping. An error on one rank aborts both groups, so that
-/// no rank waits in a collective for it and no rank steps alone.
+/// mean, as DDP's: the global batch's mean when every replica's rows hold as many targets) and
+/// the norm before clipping. An error on one rank aborts both groups, so that no rank waits in a
+/// collective for it and no rank steps alone.
 #[allow(clippy::too_many_arguments)]
 pub fn train_step(
     pp: &ProcessGroup,
@@ -96,11 +96,11 @@ pub fn train_step(
         let n = dp.world_size() as f64;
         // grads: this rank's stages' parameters, averaged over dp (bucketing would group them).
         for g in &mut grads {
-            dp.all_reduce(g, ReduceOp::Sum)?;
+            dp.all_reduce(g, ReduceOp::Sum).map_err(fail)?;
             let _ = g.g_div_scalar_(n);
         }
         let mut l = Tensor::from_slice(&[step.loss]);
-        dp.all_reduce(&mut l, ReduceOp::Sum)?;
+        dp.all_reduce(&mut l, ReduceOp::Sum).map_err(fail)?;
         step.loss = l.double_value(&[0]) / n;
     }
     // The global norm: each rank's squares, a tied parameter only on the lowest rank using it.
@@ -112,7 +112,7 @@ pub fn train_step(
         .map(|(_, g)| g.square().sum(Kind::Double).double_value(&[]))
         .sum();
     let mut s = Tensor::from_slice(&[sq]);
-    pp.all_reduce(&mut s, ReduceOp::Sum)?;
+    pp.all_reduce(&mut s, ReduceOp::Sum).map_err(fail)?;
     let norm = s.double_value(&[0]).sqrt();
     if let Some(c) = grad_clip {
         let k = clip_coef(norm, c);
@@ -214,8 +214,8 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
         ctx.report(json!({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
                           "tokens_per_s": tokens_per_step / dt, "bubble": st.bubble()}))?;
     }
-    if let Some(path) = &job.save {
-        save_whole(job, &model, pp, mesh.coord("dp") == 0 && pp.rank() == 0, path)?;
+    if let Some(path) = job.save.as_ref().filter(|_| mesh.coord("dp") == 0) {
+        save_whole(&model, pp, path)?;
     }
     let steps = job.steps.max(1) as f64;
     let sent_per_step = (sent(ctx) - sent0) as f64 / steps;
@@ -246,40 +246,48 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     })
 }
 
-/// Gather the whole model onto `writer` (replica 0's first pipeline rank) and save it: every
-/// other rank of replica 0's pipeline sends the parameters it is the lowest user of.
-fn save_whole(
-    job: &GptJob,
-    model: &Gpt,
-    pp: &ProcessGroup,
-    writer: bool,
-    path: &std::path::Path,
-) -> anyhow::Result<()> {
-    let owned = params_of_ranks(&model.cfg, pp.world_size()).map_err(anyhow::Error::msg)?;
+/// Gather the whole model onto pp rank 0 of the first replica and write it there (nanoGPT's keys,
+/// `lm_head.weight` the tied wte): every other rank of that pipeline sends the parameters it is
+/// the lowest user of, and the last rank also its copy of the tied wte, which must equal rank 0's
+/// (they got the same gradients and updates). Call on the first replica's ranks only. An error
+/// aborts the group.
+fn save_whole(model: &Gpt, pp: &ProcessGroup, path: &std::path::Path) -> anyhow::Result<()> {
+    let (p, r) = (pp.world_size(), pp.rank());
+    let fail = |e: String| {
+        pp.abort(&format!("rank {r}: saving the pipeline's model: {e}"));
+        anyhow::anyhow!("saving the pipeline's model: {e}")
+    };
+    let owned = params_of_ranks(&model.cfg, p).map_err(fail)?;
     let lowest = |k: usize| owned.iter().position(|o| o.contains(&k)).expect("every parameter has a stage");
     let mine = model.parameters();
     let shapes = model.cfg.param_shapes();
-    let full: Vec<Tensor> = (0..mine.len())
-        .map(|k| -> CommResult<Tensor> {
-            let q = lowest(k);
-            if q == 0 {
-                Ok(mine[k].detach().copy())
-            } else if pp.rank() == 0 {
-                let mut t = Tensor::zeros(shapes[k].1.as_slice(), (Kind::Float, tch::Device::Cpu));
-                pp.recv(&mut t, q)?;
-                Ok(t)
-            } else {
-                if pp.rank() == q {
-                    pp.send(&mine[k], 0)?;
-                }
-                Ok(Tensor::new())
-            }
-        })
-        .collect::<CommResult<_>>()?;
-    if writer {
-        let gpt = Gpt::new(job.model, job.seed)?;
-        tch::no_grad(|| gpt.parameters().iter().zip(&full).for_each(|(p, f)| _ = p.shallow_clone().copy_(f)));
-        gpt.save_safetensors(path)?;
+    let empty = |k: usize| Tensor::zeros(shapes[k].1.as_slice(), (Kind::Float, tch::Device::Cpu));
+    let mut full = Vec::new();
+    for k in 0..mine.len() {
+        let q = lowest(k);
+        if r == 0 && q == 0 {
+            full.push(mine[k].detach().copy());
+        } else if r == 0 {
+            let mut t = empty(k);
+            pp.recv(&mut t, q).map_err(|e| fail(e.to_string()))?;
+            full.push(t);
+        } else if r == q {
+            pp.send(&mine[k], 0).map_err(|e| fail(e.to_string()))?;
+        }
+    }
+    // The tied wte: the last rank's copy against rank 0's.
+    if p > 1 && r == p - 1 {
+        pp.send(&mine[0], 0).map_err(|e| fail(e.to_string()))?;
+    } else if p > 1 && r == 0 {
+        let mut other = empty(0);
+        pp.recv(&mut other, p - 1).map_err(|e| fail(e.to_string()))?;
+        if !other.equal(&full[0]) {
+            let d = (&other - &full[0]).abs().max().double_value(&[]);
+            return Err(fail(format!("the two copies of the tied wte differ by up to {d}")));
+        }
+    }
+    if r == 0 {
+        crate::model::write_state_dict(model.state_dict_of(full), path)?;
     }
     Ok(())
 }

@@ -40,6 +40,8 @@ pub struct TpGpt {
     pub ln_f: [Tensor; 2],
     /// Bytes of the gradients of the last [`train_step`](Self::train_step), measured from them.
     pub last_grad_bytes: u64,
+    /// Sequence parallelism (see [`with_sequence_parallel`](Self::with_sequence_parallel)).
+    sequence_parallel: bool,
 }
 
 /// What one [`TpGpt::forward_backward`] gives.
@@ -85,7 +87,20 @@ impl TpGpt {
             blocks,
             ln_f: [rep(&p[n - 2]), rep(&p[n - 1])],
             last_grad_bytes: 0,
+            sequence_parallel: false,
         })
+    }
+
+    /// Sequence parallelism on or off (Korthikanti et al. 2022): between the split matmuls each
+    /// rank keeps only its T/t tokens (rank r the r-th slice of T) — the blocks' LayerNorms and
+    /// residuals ([`TpBlock::sequence_parallel`]), the embeddings' sum and ln_f. The vocab-parallel
+    /// embedding reduce-scatters instead of all-reducing, the head all-gathers ln_f's output
+    /// before the logits and reduce-scatters its gradient. The same losses and gradients; T must
+    /// divide by the group's size.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self.blocks = std::mem::take(&mut self.blocks).into_iter().map(|b| b.sequence_parallel(on)).collect();
+        self
     }
 
     /// This rank's parameters in the GPT's order (wte, wpe, 12 per block, ln_f): handles, not copies.
@@ -125,6 +140,11 @@ impl TpGpt {
             pg.abort(&e.to_string());
             return Err(e);
         }
+        let tp = pg.world_size() as i64;
+        let sp = self.sequence_parallel;
+        if sp && t % tp != 0 {
+            return Err(bad(format!("sequence parallelism: {t} tokens do not split over {tp} ranks")));
+        }
         let vl = self.wte.size()[0];
         let lo = pg.rank() as i64 * vl;
         // Vocab-parallel embedding: an id outside this rank's rows looks up a clamped row and is zeroed;
@@ -134,33 +154,53 @@ impl TpGpt {
         let tok_part = Tensor::embedding(&self.wte, &local.clamp(0, vl - 1), -1, false, false) * mine; // (B, T, C)
         let pos = Tensor::arange(t, (Kind::Int64, batch.x.device()));
         let pos_e = Tensor::embedding(&self.wpe, &pos, -1, false, false); // (T, C)
-        let mut tok = tok_part.detach().copy();
-        pg.all_reduce(&mut tok, ReduceOp::Sum)?;
-        let mut x = tok + pos_e.detach();
+        let (tl, t0) = if sp { (t / tp, pg.rank() as i64 * (t / tp)) } else { (t, 0) }; // this rank's tokens
+        let mut x = if sp {
+            super::scatter_dim(pg, &tok_part.detach(), 1)? // (B, T/t, C): this rank's tokens, summed
+        } else {
+            let mut tok = tok_part.detach().copy();
+            pg.all_reduce(&mut tok, ReduceOp::Sum)?;
+            tok
+        } + pos_e.detach().narrow(0, t0, tl);
         for b in &mut self.blocks {
             x = b.forward(pg, &x)?;
         }
-        // Head: ln_f, then f (identity forward) into this rank's (B, T, V/t) columns of the logits.
+        // Head: ln_f, then f (identity forward; sequence parallel: all-gather along T) into this
+        // rank's (B, T, V/t) columns of the logits.
         let x_l = x.detach().set_requires_grad(true);
         let h = layer_norm(&x_l, &self.ln_f[0], &self.ln_f[1]);
-        let h_leaf = h.detach().set_requires_grad(true);
+        let h_leaf = if sp { super::gather_dim(pg, &h.detach(), 1)? } else { h.detach() }.set_requires_grad(true);
         let logits = h_leaf.linear::<Tensor>(&self.wte, None).view([-1, vl]); // (B·T, V/t)
         let (loss, dlogits) = vocab_parallel_cross_entropy(pg, &logits.detach(), &batch.y.view([-1]))?;
         // Backward, in reverse: the head's local graph, then f backward — all-reduce dL/dh.
         let g = Tensor::run_backward(&[(&logits * &dlogits).sum(Kind::Float)], &[&self.wte, &h_leaf], false, false);
         let [g_wte_head, dh]: [Tensor; 2] = g.try_into().expect("two gradients");
-        let mut dh = dh;
-        pg.all_reduce(&mut dh, ReduceOp::Sum)?;
+        let dh = if sp {
+            super::scatter_dim(pg, &dh, 1)? // this rank's tokens of the sum over the vocabulary slices
+        } else {
+            let mut dh = dh;
+            pg.all_reduce(&mut dh, ReduceOp::Sum)?;
+            dh
+        };
         let g =
             Tensor::run_backward(&[(&h * &dh).sum(Kind::Float)], &[&self.ln_f[0], &self.ln_f[1], &x_l], false, false);
-        let [g_lnw, g_lnb, mut dx]: [Tensor; 3] = g.try_into().expect("three gradients");
+        let [mut g_lnw, mut g_lnb, mut dx]: [Tensor; 3] = g.try_into().expect("three gradients");
+        if sp {
+            // ln_f's gradients came from this rank's tokens: sum them over the group.
+            let mut flat = Tensor::cat(&[&g_lnw, &g_lnb], 0);
+            pg.all_reduce(&mut flat, ReduceOp::Sum)?;
+            let c = g_lnw.numel() as i64;
+            (g_lnw, g_lnb) = (flat.narrow(0, 0, c), flat.narrow(0, c, c));
+        }
         let mut block_grads = Vec::with_capacity(self.blocks.len());
         for b in self.blocks.iter_mut().rev() {
             let (g, d) = b.backward(pg, &dx)?;
             block_grads.push(g);
             dx = d;
         }
-        // The embedding's g backward is the identity: each rank's rows get dL/dx where they were used.
+        // The embedding's g backward is the identity (sequence parallel: all-gather along T): each
+        // rank's rows get dL/dx where they were used, and wpe every position's gradient.
+        let dx = if sp { super::gather_dim(pg, &dx, 1)? } else { dx };
         let surrogate = (&tok_part * &dx).sum(Kind::Float) + (pos_e.unsqueeze(0) * &dx).sum(Kind::Float);
         let g = Tensor::run_backward(&[surrogate], &[&self.wte, &self.wpe], false, false);
         let [g_wte_emb, g_wpe]: [Tensor; 2] = g.try_into().expect("two gradients");
@@ -220,15 +260,15 @@ impl TpGpt {
             let n = dp.world_size() as f64;
             // grads: each of this rank's slices, averaged over dp (bucketing would group them).
             for g in &mut grads {
-                dp.all_reduce(g, ReduceOp::Sum)?;
+                dp.all_reduce(g, ReduceOp::Sum).map_err(fail)?;
                 let _ = g.g_div_scalar_(n);
             }
             let mut l = Tensor::from_slice(&[loss]);
-            dp.all_reduce(&mut l, ReduceOp::Sum)?;
+            dp.all_reduce(&mut l, ReduceOp::Sum).map_err(fail)?;
             loss = l.double_value(&[0]) / n;
         }
         self.last_grad_bytes = crate::memory::held_bytes(grads.iter());
-        let norm = self.grad_norm(tp, &grads)?;
+        let norm = self.grad_norm(tp, &grads).map_err(fail)?;
         if let Some(c) = grad_clip {
             let k = clip_coef(norm, c);
             if k < 1.0 {

@@ -143,12 +143,37 @@ pub fn gather_dim(pg: &ProcessGroup, slice: &Tensor, dim: i64) -> CommResult<Ten
     Ok(all.reshape(size).transpose(0, dim).contiguous())
 }
 
+/// The reverse of [`gather_dim`]: `full` summed over `pg` (each rank's partial sums) and this
+/// rank's `1/t` of the sum along `dim` (rank r gets the r-th slice): one reduce-scatter.
+pub fn scatter_dim(pg: &ProcessGroup, full: &Tensor, dim: i64) -> CommResult<Tensor> {
+    let t = pg.world_size() as i64;
+    let moved = full.transpose(0, dim).contiguous();
+    let mut size = moved.size();
+    if size[0] % t != 0 {
+        return Err(CommError::InvalidArgument(format!(
+            "rank {}: dimension {dim} of {:?} does not split over {t} ranks",
+            pg.rank(),
+            full.size()
+        )));
+    }
+    size[0] /= t;
+    let mut part = Tensor::zeros([moved.numel() as i64 / t], (moved.kind(), moved.device()));
+    pg.reduce_scatter(&mut part, &moved.reshape([-1]), ReduceOp::Sum)?;
+    Ok(part.reshape(size).transpose(0, dim).contiguous())
+}
+
 /// A GPT block (nanoGPT's: `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`) split over a
 /// tensor-parallel group of `t` ranks: attention by heads (each rank `n_head/t` heads: its rows of
 /// the q, k and v blocks of `c_attn`, the matching columns of `attn.c_proj`), the MLP column → row.
 /// LayerNorms and the two output biases are replicated. Per block, forward all-reduces the
 /// attention and MLP outputs (g, twice) and backward the gradients of the two LayerNorm outputs
 /// (f, twice): four all-reduces of B·T·C elements. fp32.
+///
+/// With [`sequence_parallel`](Self::sequence_parallel) (Korthikanti et al. 2022), the block's
+/// input, output, LayerNorms and residual adds hold this rank's T/t tokens only: f becomes an
+/// all-gather along T before the split matmuls and g a reduce-scatter along T after them (in
+/// backward the reverse), the same bytes as the all-reduces they replace; the replicated
+/// parameters' gradients, each from this rank's tokens, are then summed over the group.
 pub struct TpBlock {
     /// This rank's slices, in the GPT's parameter order: ln_1 w, b; c_attn w (3C/t, C), b (3C/t);
     /// attn.c_proj w (C, C/t), b (C); ln_2 w, b; c_fc w (4C/t, C), b (4C/t); mlp.c_proj w
@@ -156,8 +181,10 @@ pub struct TpBlock {
     pub params: Vec<Tensor>,
     n_head: i64,
     saved: Option<BlockSaved>,
-    /// Bytes this block all-reduced so far.
+    /// Bytes this block all-reduced so far (with sequence parallelism: all-gathered and
+    /// reduce-scattered, the full (B, T, C) size of each).
     pub bytes_all_reduced: u64,
+    sequence_parallel: bool,
 }
 
 struct BlockSaved {
@@ -216,7 +243,15 @@ impl TpBlock {
             n_head,
             saved: None,
             bytes_all_reduced: 0,
+            sequence_parallel: false,
         })
+    }
+
+    /// Sequence parallelism on or off: `forward` then takes and returns this rank's T/t tokens
+    /// (rank r the r-th slice of T), `backward` their gradients.
+    pub fn sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
     }
 
     fn all_reduce(&mut self, pg: &ProcessGroup, t: &Tensor) -> CommResult<Tensor> {
@@ -226,7 +261,27 @@ impl TpBlock {
         Ok(out)
     }
 
-    /// (B, T, C) → (B, T, C), the same on every rank of `pg`.
+    /// f forward / g backward: identity, or (sequence parallel) all-gather along T.
+    fn to_full(&mut self, pg: &ProcessGroup, t: &Tensor) -> CommResult<Tensor> {
+        if !self.sequence_parallel {
+            return Ok(t.detach());
+        }
+        let full = gather_dim(pg, &t.detach(), 1)?; // (B, T/t, C) → (B, T, C)
+        self.bytes_all_reduced += (full.numel() * full.kind().elt_size_in_bytes()) as u64;
+        Ok(full)
+    }
+
+    /// g forward / f backward: all-reduce, or (sequence parallel) reduce-scatter along T.
+    fn sum_partials(&mut self, pg: &ProcessGroup, t: &Tensor) -> CommResult<Tensor> {
+        if !self.sequence_parallel {
+            return self.all_reduce(pg, t);
+        }
+        self.bytes_all_reduced += (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        scatter_dim(pg, &t.detach(), 1) // (B, T, C) partial sums → (B, T/t, C) of the sum
+    }
+
+    /// (B, T, C) → (B, T, C), the same on every rank of `pg`; with sequence parallelism
+    /// (B, T/t, C) → (B, T/t, C), this rank's tokens.
     pub fn forward(&mut self, pg: &ProcessGroup, x: &Tensor) -> CommResult<Tensor> {
         let p = &self.params;
         if self.saved.is_some() {
@@ -236,13 +291,16 @@ impl TpBlock {
             )));
         }
         let (b, t, c) = x.size3().map_err(|e| CommError::InvalidArgument(format!("TpBlock input (B, T, C): {e}")))?;
+        let t = if self.sequence_parallel { t * pg.world_size() as i64 } else { t }; // the whole sequence
         let heads = self.n_head / pg.world_size() as i64; // this rank's heads
         let hs = c / self.n_head;
         let cl = heads * hs; // C/t: this rank's attention width
         let x0 = x.detach().set_requires_grad(true);
         let h1 = layer_norm(&x0, &p[0], &p[1]);
-        // f: identity forward; a leaf, so that backward gives this rank's part of dL/dh1.
-        let h1_leaf = h1.detach().set_requires_grad(true);
+        // f: identity forward (sequence parallel: all-gather along T); a leaf, so that backward
+        // gives this rank's part of dL/dh1.
+        let h1_leaf = self.to_full(pg, &h1)?.set_requires_grad(true);
+        let p = &self.params;
         let qkv = h1_leaf.linear(&p[2], Some(&p[3])); // (B, T, 3C/t)
         let split = |i: i64| qkv.narrow(2, i * cl, cl).view([b, t, heads, hs]).transpose(1, 2);
         let y = Tensor::scaled_dot_product_attention::<Tensor>(
@@ -257,23 +315,25 @@ impl TpBlock {
         );
         let partial_a = y.transpose(1, 2).contiguous().view([b, t, cl]).linear::<Tensor>(&p[4], None); // (B, T, C)
         let p5 = p[5].detach();
-        // g: all-reduce forward.
-        let a = self.all_reduce(pg, &partial_a)? + p5;
+        // g: all-reduce forward (sequence parallel: reduce-scatter along T).
+        let a = self.sum_partials(pg, &partial_a)? + p5;
         let x1 = x0.detach() + a;
         let x1_leaf = x1.detach().set_requires_grad(true);
         let p = &self.params;
         let h2 = layer_norm(&x1_leaf, &p[6], &p[7]);
-        let h2_leaf = h2.detach().set_requires_grad(true);
+        let h2_leaf = self.to_full(pg, &h2)?.set_requires_grad(true);
+        let p = &self.params;
         let partial_m = h2_leaf.linear(&p[8], Some(&p[9])).gelu("none").linear::<Tensor>(&p[10], None);
         let p11 = p[11].detach();
-        let m = self.all_reduce(pg, &partial_m)? + p11;
+        let m = self.sum_partials(pg, &partial_m)? + p11;
         let out = x1 + m;
         self.saved = Some(BlockSaved { x0, h1, h1_leaf, partial_a, x1_leaf, h2, h2_leaf, partial_m });
         Ok(out)
     }
 
     /// From dL/dy (the same on every rank): this rank's gradients of [`params`](Self::params)
-    /// (sliced like them; the replicated ones alike on every rank) and dL/dx (the same on every rank).
+    /// (sliced like them; the replicated ones alike on every rank) and dL/dx (the same on every
+    /// rank). With sequence parallelism dL/dy and dL/dx are this rank's tokens'.
     pub fn backward(&mut self, pg: &ProcessGroup, dy: &Tensor) -> CommResult<(Vec<Tensor>, Tensor)> {
         let s = self.saved.take().ok_or_else(|| {
             CommError::InvalidArgument(format!("rank {}: TpBlock::backward without a forward", pg.rank()))
@@ -287,25 +347,39 @@ impl TpBlock {
         let mut grads: Vec<Option<Tensor>> = (0..12).map(|_| None).collect();
         // MLP: g backward is the identity; the local graph from h2_leaf, then f: all-reduce dh2.
         grads[11] = Some(sum_bt(&dy));
-        let g = vjp(&s.partial_m, &dy, &[&p[8], &p[9], &p[10], &s.h2_leaf]);
+        let dy_full = self.to_full(pg, &dy)?; // g backward: identity (sequence parallel: all-gather)
+        let g = vjp(&s.partial_m, &dy_full, &[&p[8], &p[9], &p[10], &s.h2_leaf]);
         let [g8, g9, g10, dh2]: [Tensor; 4] = g.try_into().expect("four gradients");
         (grads[8], grads[9], grads[10]) = (Some(g8), Some(g9), Some(g10));
-        let dh2 = self.all_reduce(pg, &dh2)?;
+        let dh2 = self.sum_partials(pg, &dh2)?;
         let g = vjp(&s.h2, &dh2, &[&p[6], &p[7], &s.x1_leaf]);
         let [g6, g7, dx1_ln]: [Tensor; 3] = g.try_into().expect("three gradients");
         (grads[6], grads[7]) = (Some(g6), Some(g7));
         let dx1 = &dy + dx1_ln; // the residual path and the LayerNorm's
                                 // Attention, the same way.
         grads[5] = Some(sum_bt(&dx1));
-        let g = vjp(&s.partial_a, &dx1, &[&p[2], &p[3], &p[4], &s.h1_leaf]);
+        let dx1_full = self.to_full(pg, &dx1)?;
+        let g = vjp(&s.partial_a, &dx1_full, &[&p[2], &p[3], &p[4], &s.h1_leaf]);
         let [g2, g3, g4, dh1]: [Tensor; 4] = g.try_into().expect("four gradients");
         (grads[2], grads[3], grads[4]) = (Some(g2), Some(g3), Some(g4));
-        let dh1 = self.all_reduce(pg, &dh1)?;
+        let dh1 = self.sum_partials(pg, &dh1)?;
         let g = vjp(&s.h1, &dh1, &[&p[0], &p[1], &s.x0]);
         let [g0, g1, dx0_ln]: [Tensor; 3] = g.try_into().expect("three gradients");
         (grads[0], grads[1]) = (Some(g0), Some(g1));
         let dx = dx1 + dx0_ln;
-        Ok((grads.into_iter().map(|g| g.expect("every gradient")).collect(), dx))
+        let mut grads: Vec<Tensor> = grads.into_iter().map(|g| g.expect("every gradient")).collect();
+        if self.sequence_parallel {
+            // The LayerNorms' and output biases' gradients came from this rank's tokens only:
+            // sum them over the group, one all-reduce of their 6·C floats.
+            let rep = [0usize, 1, 5, 6, 7, 11];
+            let mut flat = Tensor::cat(&rep.map(|i| grads[i].reshape([-1])), 0);
+            pg.all_reduce(&mut flat, ReduceOp::Sum)?;
+            let c = grads[0].numel() as i64;
+            for (j, &i) in rep.iter().enumerate() {
+                grads[i] = flat.narrow(0, j as i64 * c, c).view_as(&grads[i]);
+            }
+        }
+        Ok((grads, dx))
     }
 
     /// The full (unsplit) tensors of `sliced` — this block's parameters or their gradients,

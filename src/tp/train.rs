@@ -27,6 +27,12 @@ fn unsupported(job: &GptJob, ctx: &TrainContext, t: usize) -> Option<String> {
     if t == 0 || n % t != 0 {
         return Some(format!("--tp {t} does not divide the world of {n} ranks into tensor-parallel groups"));
     }
+    if s.sequence_parallel && job.model.block_size % t as i64 != 0 {
+        return Some(format!(
+            "--sequence-parallel: a sequence of {} tokens does not split over --tp {t}",
+            job.model.block_size
+        ));
+    }
     let no = |what: &str| Some(format!("--tp is not combined with {what} yet (lesson 12, \"What is not done yet\")"));
     match () {
         _ if s.strategy != Strategy::Ddp => no(&format!(
@@ -55,7 +61,9 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext, t: usize) -> anyhow::Result<Run
     let data = job.data.load()?;
     let full = job.build_model()?;
     let params = full.num_params();
-    let mut m = TpGpt::from_gpt(&full, tp).map_err(|e| anyhow::anyhow!("--tp {t}: {e}"))?;
+    let mut m = TpGpt::from_gpt(&full, tp)
+        .map_err(|e| anyhow::anyhow!("--tp {t}: {e}"))?
+        .with_sequence_parallel(ctx.scaling().sequence_parallel);
     drop(full); // every rank built the whole model from the seed and keeps its slices
     let mut opt = AdamW::new(job.optim);
     let sampler =
@@ -109,7 +117,11 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext, t: usize) -> anyhow::Result<Run
         ..Default::default()
     };
     Ok(RunSummary {
-        strategy: if n / t > 1 { format!("ddp{}×tp{t}", n / t) } else { format!("tp{t}") },
+        strategy: format!(
+            "{}tp{t}{}",
+            if n / t > 1 { format!("ddp{}×", n / t) } else { String::new() },
+            if ctx.scaling().sequence_parallel { "+sp" } else { "" }
+        ),
         variant: None,
         world_size: n,
         params,
