@@ -96,11 +96,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        qkv = self.c_attn(x)
+        # Under tensor parallelism c_attn is column-parallel: this rank's 3·C/t columns hold the
+        # q, k and v of its n_head/t heads (see tp_shard_rows), so split what is here.
+        c = qkv.size(-1) // 3
+        heads = self.n_head * c // C
+        q, k, v = qkv.split(c, dim=2)
+        # (B, T, c) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, heads, c // heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, c))
 
 
 class MLP(nn.Module):
@@ -270,6 +275,31 @@ def wrap_fsdp2(model: nn.Module, reshard_after_forward: bool = True, param_dtype
     return model
 
 
+def wrap_tp(model: GPT, world_size: int) -> GPT:
+    """Megatron tensor parallelism with DTensor (torch.distributed.tensor.parallel) over all the
+    ranks: in every block c_attn and c_fc column-parallel, the two c_proj row-parallel (one
+    all-reduce each in forward, one each for the input gradient in backward). c_attn's rows are
+    first reordered so that rank r's contiguous slice holds the q, k and v rows of its heads, as
+    shardlab's TpBlock takes them. The embeddings, LayerNorms and the tied head stay replicated:
+    every rank computes the full logits (shardlab splits the vocabulary instead)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    C = model.transformer.wte.weight.size(1)
+    c = C // world_size
+    order = torch.cat([torch.arange(r * c, (r + 1) * c) + j * C for r in range(world_size) for j in range(3)])
+    for block in model.transformer.h:
+        with torch.no_grad():
+            block.attn.c_attn.weight.copy_(block.attn.c_attn.weight[order])
+            block.attn.c_attn.bias.copy_(block.attn.c_attn.bias[order])
+        parallelize_module(block, mesh, {
+            "attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(),
+        })
+    return model
+
+
 def parse_checkpointing(s: str) -> int:
     """none -> 0, full -> 1, every:K -> K (shardlab's --activation-checkpointing values)."""
     if s == "none":
@@ -306,13 +336,17 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
     # gathers its parameters in that dtype (MixedPrecisionPolicy), as shardlab's ZeRO does.
     amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     scaler = torch.amp.GradScaler(dev.type) if args.precision == "fp16" else None
+    tp = ddp and args.strategy == "tp"
     if ddp and args.strategy == "fsdp":
         model = wrap_fsdp2(model, reshard_after_forward=not args.no_reshard_after_forward, param_dtype=amp_dtype)
+    elif tp:
+        model = wrap_tp(model, world_size)
     elif ddp:
         model = nn.parallel.DistributedDataParallel(model)
     opt = configure_optimizer(model, args.lr)
-    g = torch.Generator().manual_seed(args.seed + 1 + rank)  # different rows per rank
-    B, T = args.batch_size, args.block_size
+    # Different rows per rank; under tp every rank reads the same rows, the whole global batch.
+    g = torch.Generator().manual_seed(args.seed + 1 + (0 if tp else rank))
+    B, T = args.batch_size * (world_size if tp else 1), args.block_size
     times, loss = [], None
     for step in range(args.steps):
         x, y = get_batch(data, B, T, g)
@@ -346,7 +380,7 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
         median, final_loss = t.item(), lt.item() / world_size
     return {
         "impl": "pytorch", "strategy": args.strategy, "world_size": world_size, "params": params,
-        "tokens_per_s": B * T * world_size / median, "step_s_median": median,
+        "tokens_per_s": B * T * (1 if tp else world_size) / median, "step_s_median": median,
         "final_loss": final_loss, "threads": args.threads, "checkpointing": args.checkpointing,
         "precision": args.precision,
         "peak_rss_bytes": peak_rss_bytes(), "device": args.device,
@@ -413,7 +447,8 @@ def parse_args(argv=None):
     i.set_defaults(func=cmd_init)
 
     t = sub.add_parser("train", help="tokens/s training benchmark")
-    t.add_argument("--strategy", choices=("single", "ddp", "fsdp"), default="single")
+    t.add_argument("--strategy", choices=("single", "ddp", "fsdp", "tp"), default="single",
+                   help="tp: DTensor tensor parallelism over all the ranks, the global batch on each")
     t.add_argument("--world-size", type=int, default=1)
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     t.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")

@@ -173,6 +173,10 @@ impl GptJob {
 
     /// The per-worker loop (call inside [`Trainer::fit`]). Returns this rank's summary.
     pub fn run(&self, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
+        anyhow::ensure!(
+            !ctx.scaling().sequence_parallel || ctx.scaling().tensor_parallel > 1,
+            "sequence parallelism splits over the tensor-parallel group: it needs tensor_parallel > 1 (--tp)"
+        );
         if ctx.scaling().pipeline.stages != 1 {
             return crate::pipeline::train::run(self, ctx);
         }

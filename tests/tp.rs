@@ -377,7 +377,7 @@ fn one_process_with(ignored: bool) -> (Vec<f64>, Vec<Tensor>, Vec<Tensor>) {
     (losses, first, gpt.parameters().iter().map(|p| p.detach().copy()).collect())
 }
 
-type TpOut = (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>, [u64; 4], u64);
+type TpOut = (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>, [u64; 4], u64, f64);
 
 /// `STEPS` steps of TpGpt over a tp group: losses, the first step's gradients and the final
 /// parameters (gathered back to full), the first step's all-reduces, all-gathers,
@@ -396,14 +396,17 @@ fn tp_run_with(pg: &ProcessGroup, sequence_parallel: bool) -> anyhow::Result<TpO
     let c = |k| step0.comm.calls(k);
     let (ar, ag, rs) = (c(OpKind::AllReduce), c(OpKind::AllGather), c(OpKind::ReduceScatter));
     let calls = [ar, ag, rs, step0.comm.collectives - ar - ag - rs];
-    let mut losses = vec![];
+    let (mut losses, mut norm0) = (vec![], 0.0);
     for step in 0..STEPS {
-        let (loss, _norm) = m.train_step(pg, None, &mut o, 3e-3, Some(1.0), &batch(step))?;
+        let (loss, norm) = m.train_step(pg, None, &mut o, 3e-3, Some(1.0), &batch(step))?;
         losses.push(loss);
+        if step == 0 {
+            norm0 = norm;
+        }
     }
     let params = m.unshard(pg, &m.params())?;
     let flat = |v: &[Tensor]| v.iter().map(|t| Vec::<f32>::try_from(t.reshape([-1])).unwrap()).collect::<Vec<_>>();
-    Ok((losses, flat(&first), flat(&params), calls, m.param_bytes()))
+    Ok((losses, flat(&first), flat(&params), calls, m.param_bytes(), norm0))
 }
 
 fn check_tp(tp: usize, out: Vec<TpOut>) {
@@ -414,7 +417,13 @@ fn check_tp_with(tp: usize, out: Vec<TpOut>, sequence_parallel: bool) {
     let (losses, first, fin) = one_process();
     let full_bytes = shardlab::memory::held_bytes(Gpt::new(GPT, 9).unwrap().parameters().iter());
     let nl = GPT.n_layer as u64;
-    for (rank, (l, g, p, calls, bytes)) in out.into_iter().enumerate() {
+    // The first step's global norm (clipping's input), as PyTorch's clip_grad_norm_ on one process.
+    let norm = shardlab::optim::global_norm(&first);
+    for (rank, (l, g, p, calls, bytes, norm0)) in out.into_iter().enumerate() {
+        assert!(
+            (norm0 - norm).abs() < 1e-5 * norm.max(1.0),
+            "tp={tp} rank {rank}: the global norm {norm0}, one process's {norm}"
+        );
         for (s, (a, b)) in l.iter().zip(&losses).enumerate() {
             assert!((a - b).abs() < 1e-5, "tp={tp} rank {rank} step {s}: loss {a}, one process {b}");
         }

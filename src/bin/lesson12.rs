@@ -5,15 +5,23 @@
 //!   cargo run --release --bin lesson12                 # t = 1, 2, 4; 5 AdamW steps each
 //!   cargo run --release --bin lesson12 -- --steps 10
 //!   cargo run --release --bin lesson12 -- --json       # one JSON object per line (the notebook)
+//!   cargo run --release --bin lesson12 -- --compare-pytorch  # + train --tp 2 vs PyTorch's DTensor TP on Gloo
 //!
 //! Measured per t: the loss of every step next to one process's (the GPT's own forward and
 //! autograd), the all-reduces and bytes each rank sent per step (the group's counters), the
 //! parameter and AdamW-state bytes a rank holds (its tensors), the step time; then the
 //! vocab-parallel loss's bytes against all-gathering the logits, both really sent.
+//!
+//! `--compare-pytorch` also trains the benchmark GPT with tensor parallelism over 2 processes,
+//! shardlab's `train --tp 2` against PyTorch 2.11's `torch.distributed.tensor.parallel` on Gloo
+//! (`benches/torch_gpt.py train --strategy tp`: the blocks column → row as here, the embeddings
+//! and the tied head replicated), and tokens/s of each next to its DDP on the same 2 ranks.
 
+use anyhow::Context;
 use clap::Parser;
 use serde_json::json;
 use shardlab::data::synthetic_corpus;
+use shardlab::job::{self, GptJob, OneRun};
 use shardlab::optim::{clip_coef, global_norm, Decay};
 use shardlab::prelude::*;
 use shardlab::tp::{vocab_parallel_cross_entropy, TpGpt};
@@ -27,6 +35,10 @@ struct Args {
     steps: u64,
     #[arg(long)]
     json: bool,
+    /// Also train the benchmark GPT with `--tp 2` against PyTorch's DTensor TP (and both DDPs),
+    /// tokens/s, median of 3 interleaved runs (needs `bash .ci/setup`).
+    #[arg(long)]
+    compare_pytorch: bool,
 }
 
 const WORLD: usize = 4;
@@ -128,6 +140,7 @@ fn one_process(steps: u64) -> anyhow::Result<Vec<f64>> {
 }
 
 fn main() -> anyhow::Result<()> {
+    job::run_one_if_asked();
     let a = Args::parse();
     anyhow::ensure!(a.steps >= 2, "--steps must be at least 2 (the first is a warm-up)");
     let steps = a.steps;
@@ -240,6 +253,70 @@ fn main() -> anyhow::Result<()> {
                 format!("{:.1} KB", v.gather_sent as f64 / 1e3)
             );
         }
+    }
+    if a.compare_pytorch {
+        compare_pytorch(a.json)?;
+    }
+    Ok(())
+}
+
+/// shardlab's `train --tp 2` and DDP on 2 ranks against PyTorch's DTensor TP and DDP (Gloo), the
+/// benchmark GPT, 12 steps (3 untimed), the same global batch of 16 rows of 128 tokens: tokens/s,
+/// median of 3 interleaved runs.
+fn compare_pytorch(json_out: bool) -> anyhow::Result<()> {
+    let corpus = job::TempCorpus::new("lesson12", 1_000_000)?;
+    let job = GptJob::benchmark(GptConfig::bench(), corpus.path.clone(), 12, 3);
+    let ours = |tp: usize| -> anyhow::Result<f64> {
+        let r = job::run_isolated(&OneRun {
+            job: job.clone(),
+            strategy: Strategy::Ddp,
+            world_size: 2,
+            backend: Backend::Tcp,
+            variant: shardlab::ddp::Variant::Bucketed,
+            bucket_cap_bytes: shardlab::ddp::DEFAULT_BUCKET_CAP_BYTES,
+            threads: Some(1),
+            checkpointing: Checkpointing::None,
+            reshard_after_forward: true,
+            precision: Precision::Fp32,
+            reduce_dtype: Precision::Fp32,
+            offload: false,
+            device: Default::default(),
+            tp,
+            pp: Default::default(),
+        })?;
+        Ok(r.tokens_per_s)
+    };
+    let theirs = |strategy: &str| -> anyhow::Result<f64> {
+        job::pytorch_train(&job, strategy, 2)?["tokens_per_s"].as_f64().context("no tokens_per_s in PyTorch's summary")
+    };
+    let mut m: [Vec<f64>; 4] = Default::default();
+    for _ in 0..3 {
+        m[0].push(ours(2)?);
+        m[1].push(theirs("tp")?);
+        m[2].push(ours(1)?);
+        m[3].push(theirs("ddp")?);
+    }
+    let med: Vec<f64> = m.iter_mut().map(|v| shardlab::bench::median(v)).collect();
+    if json_out {
+        println!(
+            "{}",
+            json!({"section": "pytorch", "world_size": 2,
+                   "tp_tokens_per_s": {"shardlab": med[0], "pytorch": med[1]},
+                   "ddp_tokens_per_s": {"shardlab": med[2], "pytorch": med[3]}})
+        );
+    } else {
+        println!(
+            "
+shardlab vs PyTorch 2.11 on 2 processes (tokens/s, median of 3 interleaved runs, 1 thread each):"
+        );
+        println!("{:<44} {:>10} {:>10} {:>7}", "", "shardlab", "PyTorch", "ratio");
+        for (name, i) in [("tensor parallel, t = 2 (DTensor on Gloo for PT)", 0), ("DDP, 2 ranks (Gloo for PT)", 2)] {
+            println!("{name:<44} {:>10.0} {:>10.0} {:>6.2}×", med[i], med[i + 1], med[i] / med[i + 1]);
+        }
+        println!(
+            "(PyTorch's TP keeps the embeddings and the tied head whole on both ranks, so each computes all\n\
+             the logits; shardlab's splits the vocabulary. Its blocks are split as shardlab's.)"
+        );
     }
     Ok(())
 }

@@ -95,6 +95,10 @@ fn main() -> anyhow::Result<()> {
         anyhow::ensure!(a.recompute != Recompute::Selective, "--checkpointing is --recompute full, not selective");
         a.recompute = Recompute::Full;
     }
+    anyhow::ensure!(
+        a.pp > 1 || (a.micro_batches.is_none() && a.schedule == Schedule::OneFOneB),
+        "--micro-batches and --schedule shape a pipeline: give --pp too"
+    );
     let m = a.micro_batches.unwrap_or(a.pp);
     anyhow::ensure!(m >= 1, "--micro-batches must be at least 1");
     // Each device holds 1/(tp·pp) of the model (replicated LayerNorms and biases, and the
@@ -158,8 +162,9 @@ fn main() -> anyhow::Result<()> {
     println!("  ZeRO-3  (2+2+K)Ψ/N      {:>12}", gb(s.zero3));
     if let Some((full, ckpt, used)) = acts {
         println!(
-            "activations per device: {} without checkpointing, {} with full activation checkpointing",
+            "activations per device: {} without recompute{}, {} with full activation checkpointing",
             gb(full),
+            if a.sequence_parallel { " (sequence parallel)" } else { "" },
             gb(ckpt)
         );
         if a.tp * a.pp > 1 || a.recompute == Recompute::Selective {
