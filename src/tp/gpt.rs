@@ -17,7 +17,8 @@
 //! `4L + 5` all-reduces, `(4L + 2)·B·T·C + 3·B·T` floats — whatever t is. With sequence
 //! parallelism ([`TpGpt::with_sequence_parallel`]) each (B, T, C) all-reduce becomes a
 //! reduce-scatter or an all-gather along T (4L + 2 of each, the same bytes in twice the calls),
-//! plus L + 1 small all-reduces of the replicated parameters' gradients. What t divides is the
+//! plus 2L all-gathers in backward (the LayerNorm outputs again, for the column-parallel weight
+//! gradients) and L + 1 small all-reduces of the replicated parameters' gradients. What t divides is the
 //! matrices (and their gradients and optimizer state): each rank holds `1/t` of every weight
 //! matrix and of the embedding, and all of the LayerNorms, the position embedding and the output
 //! biases.

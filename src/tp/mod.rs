@@ -172,8 +172,10 @@ pub fn scatter_dim(pg: &ProcessGroup, full: &Tensor, dim: i64) -> CommResult<Ten
 /// With [`sequence_parallel`](Self::sequence_parallel) (Korthikanti et al. 2022), the block's
 /// input, output, LayerNorms and residual adds hold this rank's T/t tokens only: f becomes an
 /// all-gather along T before the split matmuls and g a reduce-scatter along T after them (in
-/// backward the reverse), the same bytes as the all-reduces they replace; the replicated
-/// parameters' gradients, each from this rank's tokens, are then summed over the group.
+/// backward the reverse), the same bytes as the all-reduces they replace. The gathered input of
+/// c_attn and c_fc is not kept: backward gathers it again for their weight gradients (two more
+/// all-gathers). The replicated parameters' gradients, each from this rank's tokens, are then
+/// summed over the group.
 pub struct TpBlock {
     /// This rank's slices, in the GPT's parameter order: ln_1 w, b; c_attn w (3C/t, C), b (3C/t);
     /// attn.c_proj w (C, C/t), b (C); ln_2 w, b; c_fc w (4C/t, C), b (4C/t); mlp.c_proj w
@@ -190,12 +192,23 @@ pub struct TpBlock {
 struct BlockSaved {
     x0: Tensor,
     h1: Tensor,
+    /// Where the attention's graph starts: h1 (whole T) — with sequence parallelism c_attn's
+    /// output instead, so that the gathered h1 is not kept.
     h1_leaf: Tensor,
     partial_a: Tensor,
     x1_leaf: Tensor,
     h2: Tensor,
+    /// Where the MLP's graph starts: h2 — with sequence parallelism c_fc's output.
     h2_leaf: Tensor,
     partial_m: Tensor,
+}
+
+/// The backward of `y = x·wᵀ + b` by hand, for `dy` (…, O), `x` (…, I), `w` (O, I): (dL/dw,
+/// dL/db, dL/dx).
+fn linear_backward(dy: &Tensor, x: &Tensor, w: &Tensor) -> (Tensor, Tensor, Tensor) {
+    let (o, i) = (w.size()[0], w.size()[1]);
+    let dy2 = dy.reshape([-1, o]);
+    (dy2.tr().mm(&x.reshape([-1, i])), dy2.sum_dim_intlist([0i64].as_slice(), false, Kind::Float), dy.matmul(w))
 }
 
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
@@ -297,11 +310,21 @@ impl TpBlock {
         let cl = heads * hs; // C/t: this rank's attention width
         let x0 = x.detach().set_requires_grad(true);
         let h1 = layer_norm(&x0, &p[0], &p[1]);
-        // f: identity forward (sequence parallel: all-gather along T); a leaf, so that backward
-        // gives this rank's part of dL/dh1.
-        let h1_leaf = self.to_full(pg, &h1)?.set_requires_grad(true);
+        // f: identity forward; a leaf, so that backward gives this rank's part of dL/dh1. With
+        // sequence parallelism f all-gathers along T, and the gathered input is not kept: c_attn
+        // runs outside autograd from it, the graph starts at its output (a leaf), and backward
+        // all-gathers h1 again for c_attn's weight gradient (Megatron's way).
+        let sp = self.sequence_parallel;
+        let h1_full = self.to_full(pg, &h1)?;
         let p = &self.params;
-        let qkv = h1_leaf.linear(&p[2], Some(&p[3])); // (B, T, 3C/t)
+        let (h1_leaf, qkv) = if sp {
+            let qkv = tch::no_grad(|| h1_full.linear(&p[2], Some(&p[3]))).set_requires_grad(true);
+            (qkv.shallow_clone(), qkv)
+        } else {
+            let h1_leaf = h1_full.set_requires_grad(true);
+            let qkv = h1_leaf.linear(&p[2], Some(&p[3]));
+            (h1_leaf, qkv)
+        }; // qkv: (B, T, 3C/t)
         let split = |i: i64| qkv.narrow(2, i * cl, cl).view([b, t, heads, hs]).transpose(1, 2);
         let y = Tensor::scaled_dot_product_attention::<Tensor>(
             &split(0),
@@ -321,9 +344,18 @@ impl TpBlock {
         let x1_leaf = x1.detach().set_requires_grad(true);
         let p = &self.params;
         let h2 = layer_norm(&x1_leaf, &p[6], &p[7]);
-        let h2_leaf = self.to_full(pg, &h2)?.set_requires_grad(true);
+        let h2_full = self.to_full(pg, &h2)?;
         let p = &self.params;
-        let partial_m = h2_leaf.linear(&p[8], Some(&p[9])).gelu("none").linear::<Tensor>(&p[10], None);
+        // The same for c_fc: with sequence parallelism the graph starts at its output.
+        let (h2_leaf, fc) = if sp {
+            let fc = tch::no_grad(|| h2_full.linear(&p[8], Some(&p[9]))).set_requires_grad(true);
+            (fc.shallow_clone(), fc)
+        } else {
+            let h2_leaf = h2_full.set_requires_grad(true);
+            let fc = h2_leaf.linear(&p[8], Some(&p[9]));
+            (h2_leaf, fc)
+        }; // fc: (B, T, 4C/t)
+        let partial_m = fc.gelu("none").linear::<Tensor>(&p[10], None);
         let p11 = p[11].detach();
         let m = self.sum_partials(pg, &partial_m)? + p11;
         let out = x1 + m;
@@ -348,8 +380,18 @@ impl TpBlock {
         // MLP: g backward is the identity; the local graph from h2_leaf, then f: all-reduce dh2.
         grads[11] = Some(sum_bt(&dy));
         let dy_full = self.to_full(pg, &dy)?; // g backward: identity (sequence parallel: all-gather)
-        let g = vjp(&s.partial_m, &dy_full, &[&p[8], &p[9], &p[10], &s.h2_leaf]);
-        let [g8, g9, g10, dh2]: [Tensor; 4] = g.try_into().expect("four gradients");
+        let [g8, g9, g10, dh2]: [Tensor; 4] = if self.sequence_parallel {
+            // The graph starts at c_fc's output: its gradient, then c_fc's by hand from h2
+            // all-gathered again.
+            let g = vjp(&s.partial_m, &dy_full, &[&p[10], &s.h2_leaf]);
+            let [g10, d_fc]: [Tensor; 2] = g.try_into().expect("two gradients");
+            let h2_full = self.to_full(pg, &s.h2)?;
+            let (g8, g9, dh2) = linear_backward(&d_fc, &h2_full, &p[8]);
+            [g8, g9, g10, dh2]
+        } else {
+            let g = vjp(&s.partial_m, &dy_full, &[&p[8], &p[9], &p[10], &s.h2_leaf]);
+            g.try_into().expect("four gradients")
+        };
         (grads[8], grads[9], grads[10]) = (Some(g8), Some(g9), Some(g10));
         let dh2 = self.sum_partials(pg, &dh2)?;
         let g = vjp(&s.h2, &dh2, &[&p[6], &p[7], &s.x1_leaf]);
@@ -359,8 +401,16 @@ impl TpBlock {
                                 // Attention, the same way.
         grads[5] = Some(sum_bt(&dx1));
         let dx1_full = self.to_full(pg, &dx1)?;
-        let g = vjp(&s.partial_a, &dx1_full, &[&p[2], &p[3], &p[4], &s.h1_leaf]);
-        let [g2, g3, g4, dh1]: [Tensor; 4] = g.try_into().expect("four gradients");
+        let [g2, g3, g4, dh1]: [Tensor; 4] = if self.sequence_parallel {
+            let g = vjp(&s.partial_a, &dx1_full, &[&p[4], &s.h1_leaf]);
+            let [g4, d_qkv]: [Tensor; 2] = g.try_into().expect("two gradients");
+            let h1_full = self.to_full(pg, &s.h1)?;
+            let (g2, g3, dh1) = linear_backward(&d_qkv, &h1_full, &p[2]);
+            [g2, g3, g4, dh1]
+        } else {
+            let g = vjp(&s.partial_a, &dx1_full, &[&p[2], &p[3], &p[4], &s.h1_leaf]);
+            g.try_into().expect("four gradients")
+        };
         (grads[2], grads[3], grads[4]) = (Some(g2), Some(g3), Some(g4));
         let dh1 = self.sum_partials(pg, &dh1)?;
         let g = vjp(&s.h1, &dh1, &[&p[0], &p[1], &s.x0]);
