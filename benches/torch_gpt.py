@@ -285,6 +285,9 @@ def wrap_tp(model: GPT, world_size: int) -> GPT:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    n_head = model.transformer.h[0].attn.n_head
+    if n_head % world_size:
+        sys.exit(f"error: {n_head} heads do not split over {world_size} tensor-parallel ranks")
     mesh = init_device_mesh("cpu", (world_size,))
     C = model.transformer.wte.weight.size(1)
     c = C // world_size

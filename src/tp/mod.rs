@@ -208,7 +208,7 @@ struct BlockSaved {
 fn linear_backward(dy: &Tensor, x: &Tensor, w: &Tensor) -> (Tensor, Tensor, Tensor) {
     let (o, i) = (w.size()[0], w.size()[1]);
     let dy2 = dy.reshape([-1, o]);
-    (dy2.tr().mm(&x.reshape([-1, i])), dy2.sum_dim_intlist([0i64].as_slice(), false, Kind::Float), dy.matmul(w))
+    (dy2.tr().mm(&x.reshape([-1, i])), dy2.sum_dim_intlist([0i64].as_slice(), false, dy.kind()), dy.matmul(w))
 }
 
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
