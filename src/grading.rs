@@ -540,9 +540,11 @@ pub fn progress(root: &Path, tmp_dir: &Path) -> Vec<LessonProgress> {
 pub fn progress_table(lessons: &[LessonProgress]) -> String {
     use std::fmt::Write;
     let width = lessons.iter().map(|l| l.exercises.len()).max().unwrap_or(0);
+    // The lesson column fits the longest slug (`09_activation_checkpointing`), so the marks line up.
+    let name_width = lessons.iter().map(|l| l.slug.chars().count()).max().unwrap_or(0).max("lesson".len());
     let mut s = String::new();
     let _ = writeln!(s, "\nYour progress — lessons/NN_slug/exercise.rs, graded by `cargo test` and `cargo grade`:\n");
-    let _ = write!(s, "  {:<24}", "lesson");
+    let _ = write!(s, "  {:<name_width$}", "lesson");
     for k in 1..=width {
         let _ = write!(s, " ex{k:<3}");
     }
@@ -552,7 +554,7 @@ pub fn progress_table(lessons: &[LessonProgress]) -> String {
     // graded, else the first not started.
     let mut next: [Option<(&LessonProgress, usize, &[String], &Status)>; 3] = [None, None, None];
     for l in lessons {
-        let _ = write!(s, "  {:<24}", l.slug);
+        let _ = write!(s, "  {:<name_width$}", l.slug);
         for (k, fns, st) in &l.exercises {
             total += 1;
             let (mark, rank) = match st {
@@ -721,6 +723,31 @@ pub fn c() -> &'static str {
         assert!(!ex[1].untouched, "c's body changed, so exercise 2 is started");
         let done = STUB.replacen("todo!()\n}", "(vec![], vec![])\n}", 1);
         assert!(!exercises(&done)[0].untouched);
+    }
+
+    #[test]
+    fn the_table_columns_line_up_for_long_slugs() {
+        let lesson = |nn: &str, slug: &str, n: usize| LessonProgress {
+            nn: nn.into(),
+            slug: slug.into(),
+            exercises: (1..=n).map(|k| (k, vec![format!("f{k}")], Status::Done)).collect(),
+        };
+        let t = progress_table(&[
+            lesson("01", "01_process_groups", 3),
+            lesson("09", "09_activation_checkpointing", 4),
+            lesson("10", "10_distributed_checkpoints", 4),
+        ]);
+        // The byte where a line's second column starts (the slugs and marks here are ASCII).
+        let second_column = |first: &str| {
+            let line = t.lines().find(|l| l.trim_start().starts_with(first)).expect(first);
+            let after = line.find(first).unwrap() + first.len();
+            after + line[after..].len() - line[after..].trim_start().len()
+        };
+        let header = second_column("lesson");
+        for slug in ["01_process_groups", "09_activation_checkpointing", "10_distributed_checkpoints"] {
+            assert_eq!(second_column(slug), header, "{slug}'s marks start under ex1:\n{t}");
+        }
+        assert!(t.contains("11 of 11 exercises done."), "{t}");
     }
 
     #[test]
