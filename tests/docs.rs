@@ -104,6 +104,9 @@ fn every_quoted_command_exists_and_accepts_its_flags() {
         (0..100).map(|n| format!("{n:02}")).filter(|nn| tests.contains(&format!("lesson{nn}"))).collect();
     let mut bad = Vec::new();
     let mut checked = 0;
+    // (file, command, bin, arguments) of every `cargo run --bin`; each distinct (bin, arguments)
+    // is run once, below, on a few threads (every run loads libtorch: about a second).
+    let mut runs: Vec<(String, String, String, Vec<String>)> = Vec::new();
     for (path, text) in documents() {
         let file = path.strip_prefix(root()).unwrap_or(&path).display().to_string();
         for cmd in commands(&text) {
@@ -124,9 +127,12 @@ fn every_quoted_command_exists_and_accepts_its_flags() {
                         None => vec![],
                     };
                     checked += 1;
-                    if let Err(e) = check_bin_args(name, &args) {
-                        bad.push(format!("{file}: `{cmd}`: {e}"));
-                    }
+                    runs.push((
+                        file.clone(),
+                        cmd.clone(),
+                        name.to_string(),
+                        args.iter().map(|a| a.to_string()).collect(),
+                    ));
                 }
                 Some("grade") => {
                     if let Some(nn) = toks.get(2).filter(|t| t.chars().all(|c| c.is_ascii_digit())) {
@@ -150,7 +156,40 @@ fn every_quoted_command_exists_and_accepts_its_flags() {
             }
         }
     }
+    let distinct: Vec<(&str, &[String])> = runs
+        .iter()
+        .map(|(_, _, name, args)| (name.as_str(), args.as_slice()))
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: std::collections::BTreeMap<(&str, &[String]), Result<(), String>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..4)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(name, args)) = distinct.get(i) else { break mine };
+                        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                        mine.push(((name, distinct[i].1), check_bin_args(name, &args)));
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+    });
+    for (file, cmd, name, args) in &runs {
+        if let Err(e) = &results[&(name.as_str(), args.as_slice())] {
+            bad.push(format!("{file}: `{cmd}`: {e}"));
+        }
+    }
     assert!(checked > 20, "found only {checked} commands to check: is the extraction broken?");
+    assert!(
+        distinct.len() > 20,
+        "found only {} distinct `cargo run --bin` commands: is the extraction broken?",
+        distinct.len()
+    );
     assert!(bad.is_empty(), "commands quoted in the texts that would not run as written:\n{}", bad.join("\n"));
 }
 
