@@ -142,12 +142,21 @@ def solved(stub, solution, where):
 
 
 def cargo_test(label):
-    """Runs the README's test command; returns (exit code, stdout, stdout + stderr)."""
+    """Runs the README's test command; returns (exit code, stdout, stdout + stderr). On a time-out
+    or an interruption the whole process group goes (cargo, the test binaries, their ranks)."""
     t0 = time.time()
-    p = subprocess.run(["cargo", "test"], capture_output=True, text=True, timeout=2700,
-                       env=dict(os.environ, CARGO_TERM_COLOR="never"))
+    env = dict(os.environ, CARGO_TERM_COLOR="never")
+    env.pop("RUST_TEST_NOCAPTURE", None)  # the failure sections below are libtest's captured output
+    p = subprocess.Popen(["cargo", "test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=2700)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
     print(f"learner_play: {label}: `cargo test` exited {p.returncode} after {time.time() - t0:.0f} s", flush=True)
-    return p.returncode, p.stdout, p.stdout + p.stderr
+    return p.returncode, out, out + err
 
 
 def table(stdout):
@@ -162,8 +171,11 @@ def read(path):
 
 
 def write(path, text):
-    with open(path, "w", encoding="utf-8", newline="") as f:
+    """Whole or not at all: a temporary file renamed over `path`."""
+    tmp = path + ".learner_play"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
         f.write(text)
+    os.replace(tmp, path)
 
 
 def graded_exercises():
@@ -236,6 +248,9 @@ def main():
         print(f"learner_play: every exercise solved passes ({want}); a wrong answer in lesson {nn} "
               f"exercise {k} fails, and says so: {', '.join(sorted(mine))}")
     finally:
+        # A second signal must not stop the restoring half-way.
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         for path, text in originals.items():
             write(path, text)
 

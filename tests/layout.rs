@@ -23,12 +23,13 @@ fn lessons() -> Vec<(String, String)> {
     v
 }
 
-/// `pub fn` signatures, whitespace-normalised, up to the opening brace of the body.
+/// The signatures of the `pub fn`s that open a line, whitespace-normalised, up to the opening
+/// brace of the body.
 fn signatures(src: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut rest = src;
-    while let Some(i) = rest.find("pub fn ") {
-        let tail = &rest[i..];
+    while let Some(i) = rest.find("\npub fn ") {
+        let tail = &rest[i + 1..];
         let end = tail.find('{').expect("fn without body");
         out.push(tail[..end].split_whitespace().collect::<Vec<_>>().join(" ").replace("( ", "(").replace(", )", ")"));
         rest = &tail[end..];
@@ -68,9 +69,9 @@ fn shipped() -> bool {
     std::env::var("SHARDLAB_LAYOUT").map(|v| v == "shipped").unwrap_or(false)
 }
 
-/// Each stub's body: the text between its `pub fn …{` and the next line that is just `}`.
+/// Each stub's body: the text between a line's `pub fn …{` and the next line that is just `}`.
 fn stub_bodies(src: &str) -> Vec<&str> {
-    src.split("pub fn ").skip(1).map(|f| f.split_once('{').map_or("", |b| b.1).split("\n}").next().unwrap()).collect()
+    src.split("\npub fn ").skip(1).map(|f| f.split_once('{').map_or("", |b| b.1).split("\n}").next().unwrap()).collect()
 }
 
 #[test]

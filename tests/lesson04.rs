@@ -106,7 +106,7 @@ shardlab::graders! {
                 for (i, g) in grads.iter().enumerate() {
                     for (j, &v) in g.iter().enumerate() {
                         let want = 2.5 + (i * j) as f32;
-                        assert!((v - want).abs() < 1e-3, "{backend:?} rank {rank}: grad[{i}][{j}] = {v}, want {want}");
+                        assert!((v - want).abs() < 1e-3, "{backend:?} rank {rank}: grad[{i}][{j}] = {v}, want {want}: the average of the 4 ranks' gradients");
                     }
                 }
             }

@@ -21,7 +21,12 @@ shardlab::graders! {
     #[test]
     fn ex1_buckets_are_reverse_order_and_capped() {
         // Worked example: 6 tensors, cap 8 bytes.
-        assert_eq!(assign_buckets(&[4, 4, 10, 4, 4, 4], 8), vec![vec![5, 4], vec![3], vec![2], vec![1, 0]]);
+        assert_eq!(
+            assign_buckets(&[4, 4, 10, 4, 4, 4], 8),
+            vec![vec![5, 4], vec![3], vec![2], vec![1, 0]],
+            "sizes [4, 4, 10, 4, 4, 4], cap 8: buckets fill in reverse parameter order (backward makes the last \
+             gradients first), each up to the cap"
+        );
         assert_eq!(assign_buckets(&[], 8), Vec::<Vec<usize>>::new());
         assert_eq!(assign_buckets(&[1, 1, 1], 100), vec![vec![2, 1, 0]]);
         // Properties on a pseudo-random case.
