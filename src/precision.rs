@@ -88,14 +88,21 @@ impl GradScaler {
         self.scale
     }
 
+    /// Divide every defined gradient by S in place (PyTorch's `scaler.unscale_(opt)`); the
+    /// optimizer step's agreed non-finite check then decides whether to skip
+    /// ([`optimizer_step`](crate::optim::optimizer_step) with [`NonFinite::Skip`](crate::optim::NonFinite::Skip)).
+    pub fn unscale(&self, grads: &[Tensor]) {
+        let inv = 1.0 / self.scale;
+        tch::no_grad(|| grads.iter().filter(|g| g.defined()).for_each(|g| _ = g.shallow_clone().g_mul_scalar_(inv)));
+    }
+
     /// Divide every gradient by S in place and report whether any rank saw an inf or a NaN (the
     /// flag is all-reduced with max over `pg`, so every rank returns the same answer). Call after
     /// the synchronised backward, before clipping and the optimizer step.
     pub fn unscale_and_check(&self, pg: &ProcessGroup, grads: &[Tensor]) -> CommResult<bool> {
-        let inv = 1.0 / self.scale;
+        self.unscale(grads);
         let mut flags = Vec::new();
         for g in grads.iter().filter(|g| g.defined()) {
-            let _ = g.shallow_clone().g_mul_scalar_(inv);
             flags.push(g.isfinite().logical_not().any()); // one flag per tensor, read once below
         }
         let local_bad = !flags.is_empty() && Tensor::stack(&flags, 0).any().int64_value(&[]) != 0;

@@ -213,7 +213,7 @@ fn a_bad_step_is_refused_on_every_rank_and_changes_nothing() {
     })
     .unwrap();
     for (rank, (errs, unchanged)) in out.iter().enumerate() {
-        assert!(errs[0].contains("norm is NaN"), "rank {rank}: {}", errs[0]);
+        assert!(errs[0].contains("not finite on rank(s)"), "rank {rank}: {}", errs[0]);
         assert!(errs[1].contains("refused") || errs[1].contains("other slots"), "rank {rank}: {}", errs[1]);
         assert!(errs[2].contains("positive norm"), "rank {rank}: {}", errs[2]);
         assert!(unchanged, "rank {rank}: a refused step must leave the weights as they were");
@@ -243,5 +243,124 @@ fn a_bad_step_is_refused_on_every_rank_and_changes_nothing() {
         })
         .unwrap();
         assert!(out.iter().all(|e| e.contains("no_sync")), "{variant:?}: {out:?}");
+    }
+}
+
+/// Put a NaN into the first element of `g`, in place.
+fn poison(g: &Tensor) {
+    let _ = g.detach().reshape([-1]).narrow(0, 0, 1).fill_(f64::NAN);
+}
+
+/// Whether every defined gradient is all zeros (a NaN is not).
+fn cleared(grads: &[Tensor]) -> bool {
+    grads.iter().filter(|g| g.defined()).all(|g| g.abs().sum(Kind::Double).double_value(&[]) == 0.0)
+}
+
+/// What one rank saw: the refused step's error, whether its gradients were cleared, whether its
+/// weights and optimizer were untouched, then the next step's norm and whether it moved weights.
+type NanOut = (String, bool, bool, f64, bool);
+
+fn check_nan_outcome(layout: &str, out: &[NanOut], poisoned: &str) {
+    for (rank, (err, cleared, unchanged, norm, moved)) in out.iter().enumerate() {
+        assert!(
+            err.contains(&format!("not finite on rank(s) {poisoned}")) && err.contains("not applied"),
+            "{layout} rank {rank}: {err}"
+        );
+        assert!(unchanged, "{layout} rank {rank}: a refused step changed a weight or the optimizer's state");
+        assert!(cleared, "{layout} rank {rank}: a refused step must clear the gradients");
+        assert!(norm.is_finite() && *norm > 0.0, "{layout} rank {rank}: the next step's norm is {norm}");
+        assert!(moved, "{layout} rank {rank}: the next step did not change the weights");
+    }
+}
+
+/// The one optimizer step under every layout: a NaN in one rank's gradient — in a gradient that
+/// rank does not count in the global norm (a replica's copy, a tensor rank's replicated
+/// LayerNorm, the tied embedding's second holder), so only the agreed non-finite check can see
+/// it — stops the step on every rank: every rank's error names the rank, no weight and no
+/// optimizer state changes, the gradients are cleared, and the next step goes through.
+#[test]
+fn a_nan_in_one_ranks_gradient_stops_every_rank_under_every_layout() {
+    use shardlab::pipeline::{pipeline_step, train as pp_train, PipelineConfig, Schedule};
+    for layout in ["ddp-naive", "ddp-bucketed", "zero1", "zero2", "zero3"] {
+        let out = spawn(2, Backend::Local, move |pg| {
+            let model = Box::new(Gpt::new(GptConfig::tiny(), 1)?);
+            let mut d: Box<dyn DataParallel> = match layout {
+                "ddp-naive" => ddp::wrap(pg, model, Variant::Naive, 16 * 1024)?,
+                "ddp-bucketed" => ddp::wrap(pg, model, Variant::Bucketed, 16 * 1024)?,
+                "zero1" => Box::new(Zero::new(pg, model, Stage::One)?),
+                "zero2" => Box::new(Zero::new(pg, model, Stage::Two)?),
+                _ => Box::new(Zero::new(pg, model, Stage::Three)?),
+            };
+            let b = DistributedSampler::new(16, 4, pg.rank(), 2, 0)?.batch(&corpus(), 0);
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let before = flat(&d.full_parameters()?);
+            d.backward(&b, 1.0)?;
+            if pg.rank() == 1 {
+                poison(d.grads().last().unwrap());
+            }
+            let err = d.step(&mut opt, 1e-3, Some(1.0)).unwrap_err().to_string();
+            let was_cleared = cleared(&d.grads());
+            let unchanged = flat(&d.full_parameters()?) == before && opt.state_bytes() == 0;
+            d.backward(&b, 1.0)?;
+            let norm = d.step(&mut opt, 1e-3, Some(1.0))?;
+            let moved = flat(&d.full_parameters()?) != before;
+            Ok((err, was_cleared, unchanged, norm, moved))
+        })
+        .unwrap();
+        check_nan_outcome(layout, &out, "[1]");
+    }
+    // Tensor parallel, alone and on a dp 2 × tp 2 mesh: the NaN in the last rank's copy of the
+    // final LayerNorm's bias (replicated over tp; on the mesh, also averaged into dp 0's copy).
+    for dp in [1, 2] {
+        let out = spawn(2 * dp, Backend::Local, move |pg| {
+            let mesh = DeviceMesh::new(pg, &[dp, 2], &["dp", "tp"])?;
+            let (tp, dpg) = (mesh.group("tp"), (dp > 1).then(|| mesh.group("dp")));
+            let mut m =
+                shardlab::tp::TpGpt::from_gpt(&Gpt::new(GptConfig::tiny(), 1)?, tp).map_err(anyhow::Error::msg)?;
+            let b = DistributedSampler::new(16, 4, mesh.coord("dp"), dp, 0)?.batch(&corpus(), 0);
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let before = flat(&m.params());
+            let step = m.forward_backward(tp, &b)?;
+            let grads: Vec<Tensor> = step.grads.iter().map(|g| g.shallow_clone()).collect();
+            if pg.rank() + 1 == pg.world_size() {
+                poison(grads.last().unwrap());
+            }
+            let err = m.apply_step(tp, dpg, step, &mut opt, 1e-3, Some(1.0)).unwrap_err().to_string();
+            let unchanged = flat(&m.params()) == before && opt.state_bytes() == 0;
+            let (_, norm) = m.train_step(tp, dpg, &mut opt, 1e-3, Some(1.0), &b)?;
+            let moved = flat(&m.params()) != before;
+            Ok((err, cleared(&grads), unchanged, norm, moved))
+        })
+        .unwrap();
+        check_nan_outcome(&format!("dp {dp} × tp 2"), &out, if dp == 1 { "[1]" } else { "[1, 3]" });
+    }
+    // Pipeline parallel, alone and on a dp 2 × pp 2 mesh: the NaN in the last stage's copy of the
+    // tied embedding (counted on the first stage).
+    for dp in [1, 2] {
+        let out = spawn(2 * dp, Backend::Local, move |pg| {
+            let mesh = DeviceMesh::new(pg, &[dp, 2], &["dp", "pp"])?;
+            let (pp, dpg) = (mesh.group("pp"), (dp > 1).then(|| mesh.group("dp")));
+            let cfg = GptConfig::tiny();
+            let gpt = Gpt::new(cfg, 1)?;
+            let pc = PipelineConfig { stages: 2, micro_batches: 2, schedule: Schedule::OneFOneB };
+            let b = DistributedSampler::new(16, 4, mesh.coord("dp"), dp, 0)?.batch(&corpus(), 0);
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let before = flat(&gpt.parameters());
+            let step = pipeline_step(pp, &gpt, pc.schedule, &b, pc.micro_batches, cfg.n_embd)?;
+            let grads: Vec<Tensor> = step.grads.values().map(|g| g.shallow_clone()).collect();
+            if pg.rank() + 1 == pg.world_size() {
+                poison(&step.grads[&0]);
+            }
+            let err = match pp_train::apply_step(pp, dpg, &gpt, step, &mut opt, 1e-3, Some(1.0)) {
+                Ok(_) => "the step was taken".to_string(),
+                Err(e) => e.to_string(),
+            };
+            let unchanged = flat(&gpt.parameters()) == before && opt.state_bytes() == 0;
+            let (_, norm) = pp_train::train_step(pp, dpg, &gpt, &pc, &mut opt, 1e-3, Some(1.0), &b)?;
+            let moved = flat(&gpt.parameters()) != before;
+            Ok((err, cleared(&grads), unchanged, norm, moved))
+        })
+        .unwrap();
+        check_nan_outcome(&format!("dp {dp} × pp 2"), &out, if dp == 1 { "[1]" } else { "[1, 3]" });
     }
 }

@@ -20,7 +20,7 @@ pub use naive::{average_gradients, DdpNaive};
 use crate::comm::{CommError, CommResult, ProcessGroup};
 use crate::memory::{held_bytes, MemoryStats};
 use crate::model::{Batch, Model};
-use crate::optim::{self, Decay, Optimizer, StepConfig};
+use crate::optim::{self, Held, NonFinite, Optimizer, StepConfig, Stepped};
 use crate::precision::GradScaler;
 use crate::stages::{forward_backward, AccumulateGrads, Checkpointing};
 pub use crate::stats::DdpStats;
@@ -116,39 +116,34 @@ pub trait DataParallel {
             offloaded: 0,
         }
     }
-    /// The optimizer step after the (synchronised) backward: the global L2 norm of the gradients
-    /// (returned, the same on every rank), the gradients scaled down to `grad_clip` if set and the
-    /// norm is above it (PyTorch's `clip_grad_norm_`), then `opt` at learning rate `lr` on every
-    /// parameter (replicated strategies) or every unit's shard (ZeRO); then the gradients are
-    /// zeroed. Refused — an error on every rank, no weight changed — when the norm is not finite
-    /// (a NaN or an overflow in backward) or `opt` does not accept the slots.
-    ///
-    /// Replicated strategies hold the averaged gradients whole, so the local norm is the global
-    /// one; sharded strategies all-reduce the sum of squares of their shards.
+    /// The optimizer step after the (synchronised) backward, [`optimizer_step`](crate::optim::optimizer_step)
+    /// over the group: the global L2 norm of the gradients (returned, the same on every rank; the
+    /// averaged gradients are replicated, so rank 0's count), the gradients scaled down to
+    /// `grad_clip` if set and the norm is above it (PyTorch's `clip_grad_norm_`), then `opt` at
+    /// learning rate `lr` on every parameter (replicated strategies) or every unit's shard (ZeRO);
+    /// then the gradients are zeroed. Refused — an error on every rank, no weight changed, the
+    /// gradients cleared — when any rank's gradients are not finite (a NaN or an overflow in
+    /// backward), any rank's `opt` does not accept its slots, or the last backward ran inside
+    /// `no_sync`.
     fn step(&mut self, opt: &mut dyn Optimizer, lr: f64, grad_clip: Option<f64>) -> CommResult<f64> {
-        let rank = self.group().rank();
-        optim::check_grad_clip(grad_clip).map_err(|e| CommError::InvalidArgument(format!("rank {rank}: {e}")))?;
-        if self.unsynced() {
-            return Err(CommError::Step(format!(
-                "rank {rank}: the last backward ran without gradient synchronisation (no_sync): its gradients \
-                 were never averaged; finish with a synchronised backward before stepping"
-            )));
-        }
+        Ok(self.step_with(opt, lr, grad_clip, NonFinite::Fail)?.norm)
+    }
+
+    /// [`step`](Self::step), choosing what a non-finite gradient does: an error on every rank
+    /// ([`NonFinite::Fail`]) or a step every rank skips ([`NonFinite::Skip`], fp16's loss scaler).
+    fn step_with(
+        &mut self,
+        opt: &mut dyn Optimizer,
+        lr: f64,
+        grad_clip: Option<f64>,
+        non_finite: NonFinite,
+    ) -> CommResult<Stepped> {
+        let refusal = self.unsynced().then(|| NO_SYNC_REFUSAL.to_string());
+        let pg = self.group();
         let params = self.model().parameters();
         let grads: Vec<tch::Tensor> = params.iter().map(|p| p.grad()).collect();
-        let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
-        opt.check(&params, &grads, &decay).map_err(|e| CommError::Step(format!("rank {rank}: the optimizer: {e}")))?;
-        let norm = optim::global_norm(&grads);
-        check_norm(norm, rank)?;
-        if let Some(max) = grad_clip {
-            scale_grads(&grads, optim::clip_coef(norm, max));
-        }
-        opt.step(lr, &params, &grads, &decay)
-            .map_err(|e| CommError::Step(format!("rank {rank}: the optimizer: {e}")))?;
-        for g in grads.iter().filter(|g| g.defined()) {
-            let _ = g.shallow_clone().detach_().zero_();
-        }
-        Ok(norm)
+        let held = Held::whole(params, grads, pg.rank() == 0);
+        optim::optimizer_step(&[pg], opt, &held, lr, grad_clip, non_finite, refusal)
     }
 
     /// Run `f` without gradient synchronisation (PyTorch's `with ddp.no_sync():`), on a concrete
@@ -176,6 +171,10 @@ pub struct Slot {
     pub replicated: bool,
 }
 
+/// Why a step after a backward inside `no_sync` is refused.
+pub const NO_SYNC_REFUSAL: &str = "the last backward ran without gradient synchronisation (no_sync): its gradients \
+     were never averaged; finish with a synchronised backward before stepping";
+
 /// Build the DDP wrapper `variant` around `model`: rank 0's parameters are broadcast to every
 /// rank first, as PyTorch DDP does at construction.
 pub fn wrap<'a>(
@@ -195,28 +194,6 @@ pub fn wrap<'a>(
 pub fn micro_batches(rows: i64, accum: i64) -> Vec<(i64, i64)> {
     assert!(accum >= 1 && accum <= rows.max(1), "accumulation steps must be in 1..={rows}, got {accum}");
     (0..accum).map(|i| (rows * i / accum, rows * (i + 1) / accum)).collect()
-}
-
-/// A non-finite global gradient norm stops the step (every rank computes the same norm, so every
-/// rank stops).
-pub fn check_norm(norm: f64, rank: usize) -> CommResult<()> {
-    if norm.is_finite() {
-        Ok(())
-    } else {
-        Err(CommError::Step(format!(
-            "rank {rank}: the global gradient norm is {norm} (a NaN or an overflow in forward or backward); \
-             the update was not applied"
-        )))
-    }
-}
-
-/// Multiply every defined gradient by `c` (no-op when `c` is 1 or more).
-pub fn scale_grads(grads: &[tch::Tensor], c: f64) {
-    if c < 1.0 {
-        for g in grads.iter().filter(|g| g.defined()) {
-            let _ = g.shallow_clone().g_mul_scalar_(c);
-        }
-    }
 }
 
 /// What one optimizer step reports.
@@ -259,11 +236,12 @@ pub fn train_step(
 
 /// [`train_step`] with dynamic loss scaling when `scaler` is given (fp16, lesson 08), PyTorch's
 /// `scaler.scale(loss).backward(); scaler.unscale_(opt); clip; scaler.step(opt); scaler.update()`:
-/// every backward runs on the loss times the scale S; then the gradients are divided by S and
-/// checked for inf/NaN on every rank at once ([`GradScaler::unscale_and_check`]); on an overflow
-/// anywhere every rank zeroes its gradients and skips the step (`skipped`, a non-finite
-/// `grad_norm`), else the step is taken; then the scale is updated (halved on overflow, doubled
-/// after `growth_interval` clean steps).
+/// every backward runs on the loss times the scale S; then the gradients are divided by S
+/// ([`GradScaler::unscale`]) and the step's agreed non-finite check
+/// ([`DataParallel::step_with`] with [`NonFinite::Skip`]) looks for inf/NaN on every rank at once:
+/// on an overflow anywhere every rank clears its gradients and skips the step (`skipped`, a
+/// non-finite `grad_norm`), else the step is taken; then the scale is updated (halved on overflow,
+/// doubled after `growth_interval` clean steps).
 pub fn train_step_scaled(
     dp: &mut dyn DataParallel,
     opt: &mut dyn Optimizer,
@@ -292,19 +270,10 @@ pub fn train_step_scaled(
         let grad_norm = dp.step(opt, cfg.lr, cfg.grad_clip)?;
         return Ok(StepOutput { loss, grad_norm, lr: cfg.lr, loss_scale: None, skipped: false });
     };
-    if dp.unsynced() {
-        // Let step refuse it, with its message, before the scaler touches anything.
-        dp.step(opt, cfg.lr, cfg.grad_clip)?;
-    }
-    let found_inf = scaler.unscale_and_check(dp.group(), &dp.grads())?;
-    let (grad_norm, skipped) = if found_inf {
-        dp.zero_grads();
-        (f64::INFINITY, true)
-    } else {
-        (dp.step(opt, cfg.lr, cfg.grad_clip)?, false)
-    };
-    scaler.update(found_inf);
-    Ok(StepOutput { loss, grad_norm, lr: cfg.lr, loss_scale: Some(s), skipped })
+    scaler.unscale(&dp.grads());
+    let st = dp.step_with(opt, cfg.lr, cfg.grad_clip, NonFinite::Skip)?;
+    scaler.update(st.skipped);
+    Ok(StepOutput { loss, grad_norm: st.norm, lr: cfg.lr, loss_scale: Some(s), skipped: st.skipped })
 }
 
 /// No data parallelism: one process on the stage runner, the gradients of a plain `loss.backward()`

@@ -21,7 +21,7 @@ use crate::data::DistributedSampler;
 use crate::job::{GptJob, RunSummary};
 use crate::memory::MemoryStats;
 use crate::model::{Batch, Gpt, GptConfig, Model};
-use crate::optim::{clip_coef, AdamW, Decay, Optimizer};
+use crate::optim::{optimizer_step, AdamW, Decay, Held, NonFinite, Optimizer};
 use crate::trainer::{Strategy, TrainContext};
 use serde_json::json;
 use std::time::Instant;
@@ -57,13 +57,11 @@ pub fn stage_model(job: &GptJob, p: usize, rank: usize) -> anyhow::Result<Gpt> {
     }
 }
 
-/// One optimizer step of a pipeline rank: [`pipeline_step`] over `pp` on this replica's `batch`;
-/// with `dp`, the gradients (and the loss) averaged over the data-parallel group; the global norm
-/// over the whole pipeline (each tied parameter counted once) clipped to `grad_clip`; then `opt`
-/// on the parameters this rank holds (by index, ascending). Returns the step (loss: the replicas'
-/// mean, as DDP's: the global batch's mean when every replica's rows hold as many targets) and
-/// the norm before clipping. An error on one rank aborts both groups, so that no rank waits in a
-/// collective for it and no rank steps alone.
+/// One optimizer step of a pipeline rank: [`pipeline_step`] over `pp` on this replica's `batch`,
+/// then [`apply_step`]. Returns the step (loss: the replicas' mean, as DDP's: the global batch's
+/// mean when every replica's rows hold as many targets) and the norm before clipping. An error on
+/// one rank aborts both groups, so that no rank waits in a collective for it and no rank steps
+/// alone; a step every rank refused together (a non-finite gradient anywhere) leaves them usable.
 #[allow(clippy::too_many_arguments)]
 pub fn train_step(
     pp: &ProcessGroup,
@@ -75,23 +73,39 @@ pub fn train_step(
     grad_clip: Option<f64>,
     batch: &Batch,
 ) -> CommResult<(PipelineStep, f64)> {
-    let fail = |e: CommError| {
-        let m = format!("rank {}: pipeline train step: {e}", pp.rank());
-        pp.abort(&m);
-        if let Some(dp) = dp {
-            dp.abort(&m);
-        }
-        CommError::InvalidArgument(m)
-    };
     let c = model.cfg.n_embd;
-    let mut step = pipeline_step(pp, model, cfg.schedule, batch, cfg.micro_batches, c).map_err(fail)?;
+    let step =
+        pipeline_step(pp, model, cfg.schedule, batch, cfg.micro_batches, c).map_err(|e| abort_both(pp, dp, e))?;
+    apply_step(pp, dp, model, step, opt, lr, grad_clip)
+}
+
+/// Abort `pp` and `dp` with `e` (so no rank waits for this one), returned as this rank's error.
+fn abort_both(pp: &ProcessGroup, dp: Option<&ProcessGroup>, e: CommError) -> CommError {
+    let m = format!("rank {}: pipeline train step: {e}", pp.rank());
+    pp.abort(&m);
+    if let Some(dp) = dp {
+        dp.abort(&m);
+    }
+    CommError::InvalidArgument(m)
+}
+
+/// The optimizer step after a [`pipeline_step`]: with `dp`, the gradients (and the loss) averaged
+/// over the data-parallel group; then [`optimizer_step`] over dp × pp — the global norm over the
+/// whole pipeline (each tied parameter counted once, on the first replica), agreed non-finite
+/// checks, clipping to `grad_clip`, `opt` on the parameters this rank holds (by index, ascending).
+pub fn apply_step(
+    pp: &ProcessGroup,
+    dp: Option<&ProcessGroup>,
+    model: &Gpt,
+    mut step: PipelineStep,
+    opt: &mut dyn Optimizer,
+    lr: f64,
+    grad_clip: Option<f64>,
+) -> CommResult<(PipelineStep, f64)> {
+    let fail = |e: CommError| abort_both(pp, dp, e);
     let all = model.parameters();
     let owned = params_of_ranks(&model.cfg, pp.world_size()).map_err(|e| fail(CommError::InvalidArgument(e)))?;
     let (idx, mut grads): (Vec<usize>, Vec<Tensor>) = std::mem::take(&mut step.grads).into_iter().unzip();
-    let params: Vec<Tensor> = idx.iter().map(|&k| all[k].shallow_clone()).collect();
-    let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
-    // Before any collective commits the ranks to stepping (Optimizer::check's contract).
-    opt.check(&params, &grads, &decay).map_err(|e| fail(CommError::InvalidArgument(e)))?;
     if let Some(dp) = dp {
         let n = dp.world_size() as f64;
         // grads: this rank's stages' parameters, averaged over dp (bucketing would group them).
@@ -103,25 +117,20 @@ pub fn train_step(
         dp.all_reduce(&mut l, ReduceOp::Sum).map_err(fail)?;
         step.loss = l.double_value(&[0]) / n;
     }
-    // The global norm: each rank's squares, a tied parameter only on the lowest rank using it.
+    // Counted in the global norm: a parameter on the lowest pipeline rank using it (the tied
+    // embedding once), on the first replica (the dp-averaged gradients are the same on all).
     let lowest = |k: usize| owned.iter().position(|o| o.contains(&k));
-    let sq: f64 = idx
-        .iter()
-        .zip(&grads)
-        .filter(|(&k, _)| lowest(k) == Some(pp.rank()))
-        .map(|(_, g)| g.square().sum(Kind::Double).double_value(&[]))
-        .sum();
-    let mut s = Tensor::from_slice(&[sq]);
-    pp.all_reduce(&mut s, ReduceOp::Sum).map_err(fail)?;
-    let norm = s.double_value(&[0]).sqrt();
-    if let Some(c) = grad_clip {
-        let k = clip_coef(norm, c);
-        if k < 1.0 {
-            grads.iter_mut().for_each(|g| _ = g.g_mul_scalar_(k));
-        }
-    }
-    opt.step(lr, &params, &grads, &decay).map_err(|e| fail(CommError::InvalidArgument(e)))?;
-    step.grads = idx.into_iter().zip(grads).collect();
+    let first_replica = dp.is_none_or(|d| d.rank() == 0);
+    let counted = idx.iter().map(|&k| first_replica && lowest(k) == Some(pp.rank())).collect();
+    let params: Vec<Tensor> = idx.iter().map(|&k| all[k].shallow_clone()).collect();
+    let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
+    let held = Held { params, grads, decay, counted };
+    let dims: Vec<&ProcessGroup> = dp.into_iter().chain([pp]).collect();
+    // A refusal every rank agreed on (CommError::Step) leaves the groups usable; anything else aborts them.
+    let norm = optimizer_step(&dims, opt, &held, lr, grad_clip, NonFinite::Fail, None)
+        .map_err(|e| if matches!(e, CommError::Step(_)) { e } else { fail(e) })?
+        .norm;
+    step.grads = idx.into_iter().zip(held.grads).collect();
     Ok((step, norm))
 }
 

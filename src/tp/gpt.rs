@@ -28,7 +28,7 @@
 use super::{layer_norm, vocab_parallel_cross_entropy, TpBlock};
 use crate::comm::{CommError, CommResult, CommStats, ProcessGroup, ReduceOp};
 use crate::model::{Batch, Gpt, GptConfig, Model};
-use crate::optim::{clip_coef, Decay, Optimizer};
+use crate::optim::{optimizer_step, Decay, Held, NonFinite, Optimizer};
 use crate::precision::Precision;
 use tch::{Kind, Tensor};
 
@@ -214,30 +214,10 @@ impl TpGpt {
         Ok(TpStep { loss, grads, comm: pg.stats().since(&before) })
     }
 
-    /// The global L2 norm of gradients sliced like [`params`](Self::params): the split ones'
-    /// squares summed over the group (one all-reduce of one number), the replicated ones once.
-    pub fn grad_norm(&self, pg: &ProcessGroup, grads: &[Tensor]) -> CommResult<f64> {
-        let sq = |split: bool| -> f64 {
-            grads
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| self.is_split(*i) == split)
-                .map(|(_, g)| g.square().sum(Kind::Double).double_value(&[]))
-                .sum()
-        };
-        let mut s = Tensor::from_slice(&[sq(true)]);
-        pg.all_reduce(&mut s, ReduceOp::Sum)?;
-        Ok((s.double_value(&[0]) + sq(false)).sqrt())
-    }
-
-    /// One optimizer step on a batch: forward and backward over `tp`; with `dp`, the gradients
-    /// (and the loss) averaged over the data-parallel group, each dp rank holding its own rows of
-    /// the global batch (dp × tp on a 2-D mesh); the global norm clipped to `grad_clip`; then
-    /// `opt` on this rank's slices (AdamW is elementwise, so updating slices is updating the
-    /// whole). Returns the loss and the norm before clipping. With `dp`, the loss and gradients
-    /// are the mean of the replicas' means, as DDP's: the global batch's mean when every replica's
-    /// rows hold as many targets (no −1 targets, or as many on each). An error on one rank aborts
-    /// both groups, so that no rank waits in a collective for it and no rank steps alone.
+    /// One optimizer step on a batch: [`forward_backward`](Self::forward_backward) over `tp`, then
+    /// [`apply_step`](Self::apply_step). Returns the loss and the norm before clipping. An error on
+    /// one rank aborts both groups, so that no rank waits in a collective for it and no rank steps
+    /// alone; a step every rank refused together (a non-finite gradient anywhere) leaves them usable.
     pub fn train_step(
         &mut self,
         tp: &ProcessGroup,
@@ -247,19 +227,29 @@ impl TpGpt {
         grad_clip: Option<f64>,
         batch: &Batch,
     ) -> CommResult<(f64, f64)> {
-        let fail = |e: CommError| {
-            let m = format!("rank {}: TpGpt train step: {e}", tp.rank());
-            tp.abort(&m);
-            if let Some(dp) = dp {
-                dp.abort(&m);
-            }
-            CommError::InvalidArgument(m)
-        };
-        let TpStep { mut loss, mut grads, .. } = self.forward_backward(tp, batch).map_err(fail)?;
-        let params = self.params();
-        let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
-        // Before any collective commits the ranks to stepping (Optimizer::check's contract).
-        opt.check(&params, &grads, &decay).map_err(|e| fail(CommError::InvalidArgument(e)))?;
+        let step = self.forward_backward(tp, batch).map_err(|e| abort_both(tp, dp, e))?;
+        self.apply_step(tp, dp, step, opt, lr, grad_clip)
+    }
+
+    /// The optimizer step after [`forward_backward`](Self::forward_backward): with `dp`, the
+    /// gradients (and the loss) averaged over the data-parallel group, each dp rank holding its
+    /// own rows of the global batch (dp × tp on a 2-D mesh); then [`optimizer_step`] over dp × tp
+    /// — the global norm (split slices from every tensor rank, replicated tensors once), agreed
+    /// non-finite checks, clipping to `grad_clip`, `opt` on this rank's slices (AdamW is
+    /// elementwise, so updating slices is updating the whole). Returns the loss and the norm
+    /// before clipping. With `dp`, the loss and gradients are the mean of the replicas' means, as
+    /// DDP's: the global batch's mean when every replica's rows hold as many targets.
+    pub fn apply_step(
+        &mut self,
+        tp: &ProcessGroup,
+        dp: Option<&ProcessGroup>,
+        step: TpStep,
+        opt: &mut dyn Optimizer,
+        lr: f64,
+        grad_clip: Option<f64>,
+    ) -> CommResult<(f64, f64)> {
+        let fail = |e: CommError| abort_both(tp, dp, e);
+        let TpStep { mut loss, mut grads, .. } = step;
         if let Some(dp) = dp {
             let n = dp.world_size() as f64;
             // grads: each of this rank's slices, averaged over dp (bucketing would group them).
@@ -272,16 +262,18 @@ impl TpGpt {
             loss = l.double_value(&[0]) / n;
         }
         self.last_grad_bytes = crate::memory::held_bytes(grads.iter());
-        let norm = self.grad_norm(tp, &grads).map_err(fail)?;
-        if let Some(c) = grad_clip {
-            let k = clip_coef(norm, c);
-            if k < 1.0 {
-                grads.iter_mut().for_each(|g| {
-                    let _ = g.g_mul_scalar_(k);
-                });
-            }
-        }
-        opt.step(lr, &params, &grads, &decay).map_err(|e| fail(CommError::InvalidArgument(e)))?;
+        // Counted in the global norm: a split slice on every tensor rank, a replicated tensor on
+        // tensor rank 0; on the first replica (the dp-averaged gradients are the same on all).
+        let first_replica = dp.is_none_or(|d| d.rank() == 0);
+        let counted = (0..grads.len()).map(|i| first_replica && (self.is_split(i) || tp.rank() == 0)).collect();
+        let params = self.params();
+        let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
+        let held = Held { params, grads, decay, counted };
+        let dims: Vec<&ProcessGroup> = dp.into_iter().chain([tp]).collect();
+        // A refusal every rank agreed on (CommError::Step) leaves the groups usable; anything else aborts them.
+        let norm = optimizer_step(&dims, opt, &held, lr, grad_clip, NonFinite::Fail, None)
+            .map_err(|e| if matches!(e, CommError::Step(_)) { e } else { fail(e) })?
+            .norm;
         Ok((loss, norm))
     }
 
@@ -301,4 +293,14 @@ impl TpGpt {
     pub fn param_bytes(&self) -> u64 {
         crate::memory::held_bytes(self.params().iter())
     }
+}
+
+/// Abort `tp` and `dp` with `e` (so no rank waits for this one), returned as this rank's error.
+fn abort_both(tp: &ProcessGroup, dp: Option<&ProcessGroup>, e: CommError) -> CommError {
+    let m = format!("rank {}: TpGpt train step: {e}", tp.rank());
+    tp.abort(&m);
+    if let Some(dp) = dp {
+        dp.abort(&m);
+    }
+    CommError::InvalidArgument(m)
 }

@@ -2,13 +2,13 @@
 //! full parameters, and the optimizer step on this rank's shards (with CPU offload's upload).
 
 use super::Zero;
-use crate::comm::{CommError, CommResult, ProcessGroup, ReduceOp};
+use crate::comm::{CommResult, ProcessGroup};
 use crate::ddp::DataParallel;
 use crate::memory::held_bytes;
 
 pub use crate::memory::MemoryStats;
 use crate::model::{Batch, Model};
-use crate::optim::{self, Decay, Optimizer};
+use crate::optim::{self, Decay, Held, NonFinite, Optimizer, Stepped};
 use crate::stages::Checkpointing;
 use crate::stats::DdpStats;
 use tch::{Kind, Tensor};
@@ -139,47 +139,32 @@ impl DataParallel for Zero<'_> {
         Ok(out.into_iter().map(|t| t.expect("every parameter is in a unit")).collect())
     }
 
-    /// One all-reduce of two numbers decides the step on every rank together: Σ g² over the own
-    /// gradient shards (padding is zero; the global norm is its square root) and whether this
-    /// rank's optimizer refuses its slots. A refusal anywhere, or a non-finite norm, is an error on
-    /// every rank before any weight changes. Then the shards are clipped if asked, `opt` steps
+    /// [`optimizer_step`](crate::optim::optimizer_step) over the group decides the step on every
+    /// rank together: Σ g² over the own gradient shards (padding is zero; each shard counted by
+    /// its owner), whether any rank's optimizer refuses its shards or holds a non-finite gradient.
+    /// A refusal anywhere, or a non-finite gradient, is an error on every rank before any weight
+    /// changes (the gradient shards cleared). Then the shards are clipped if asked, `opt` steps
     /// every unit's shard (one slot per unit), and stages 1–2 all-gather the updated shards into
     /// every rank's full parameters.
-    fn step(&mut self, opt: &mut dyn Optimizer, lr: f64, grad_clip: Option<f64>) -> CommResult<f64> {
+    fn step_with(
+        &mut self,
+        opt: &mut dyn Optimizer,
+        lr: f64,
+        grad_clip: Option<f64>,
+        non_finite: NonFinite,
+    ) -> CommResult<Stepped> {
         let z = &mut self.z;
-        let rank = z.pg.rank();
-        optim::check_grad_clip(grad_clip).map_err(|e| CommError::InvalidArgument(format!("rank {rank}: {e}")))?;
-        if let Some(why) = z.step_blocked {
-            return Err(CommError::Step(format!("rank {rank}: {why}")));
+        let refusal = z.step_blocked.map(str::to_string);
+        let held = Held::uniform(
+            z.units.iter().map(|u| u.shard.shallow_clone()).collect(),
+            z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect(),
+            z.units.iter().map(|u| Decay::Mask(u.decay_mask.shallow_clone())).collect(),
+            true,
+        );
+        let stepped = optim::optimizer_step(&[z.pg], opt, &held, lr, grad_clip, non_finite, refusal)?;
+        if !stepped.skipped {
+            z.gather_params()?;
         }
-        let params: Vec<Tensor> = z.units.iter().map(|u| u.shard.shallow_clone()).collect();
-        let grads: Vec<Tensor> = z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect();
-        let decay: Vec<Decay> = z.units.iter().map(|u| Decay::Mask(u.decay_mask.shallow_clone())).collect();
-        let refused = opt.check(&params, &grads, &decay).err();
-        let local = optim::global_norm(&grads);
-        // (2,) f64, summed over dp: [Σ g², ranks refusing].
-        let mut agree = Tensor::from_slice(&[local * local, refused.is_some() as u8 as f64]);
-        z.pg.all_reduce(&mut agree, ReduceOp::Sum)?;
-        let (sq, refusing) = (agree.double_value(&[0]), agree.double_value(&[1]));
-        if let Some(e) = refused {
-            return Err(CommError::Step(format!("rank {rank}: the optimizer: {e}")));
-        }
-        if refusing > 0.0 {
-            return Err(CommError::Step(format!(
-                "rank {rank}: {refusing} rank(s) refused the step (their optimizer does not fit their shards)"
-            )));
-        }
-        let norm = sq.sqrt();
-        crate::ddp::check_norm(norm, rank)?;
-        if let Some(max) = grad_clip {
-            crate::ddp::scale_grads(&grads, optim::clip_coef(norm, max));
-        }
-        opt.step(lr, &params, &grads, &decay)
-            .map_err(|e| CommError::Step(format!("rank {rank}: the optimizer: {e}")))?;
-        for u in &mut z.units {
-            let _ = u.grad_shard.zero_();
-        }
-        z.gather_params()?;
-        Ok(norm)
+        Ok(stepped)
     }
 }

@@ -4,6 +4,10 @@
 //! it to [`DataParallel::step`](crate::ddp::DataParallel::step) with the step's learning rate, so
 //! an LR schedule reaches every strategy and the state can be read and restored (checkpoints).
 //!
+//! [`optimizer_step`] (in `step.rs`) is the one step every layout takes around the optimizer:
+//! the global norm over every shard and stage, a non-finite check every rank agrees on, clipping,
+//! the update, the gradients cleared.
+//!
 //! Also here: nanoGPT's learning-rate schedule ([`LrSchedule`]) and the clipping coefficient of
 //! global-norm gradient clipping ([`clip_coef`], PyTorch's `clip_grad_norm_`).
 //!
@@ -12,6 +16,10 @@
 //! `v ← β₂v + (1−β₂)g²`, `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`. Weight decay follows
 //! nanoGPT's groups: tensors of two or more dimensions (matrices, embeddings) decay, biases and
 //! LayerNorm gains do not; a flat shard carries that choice per element ([`Decay::Mask`]).
+
+mod step;
+
+pub use step::{optimizer_step, Held, NonFinite, Stepped};
 
 use crate::model::Model;
 use serde::{Deserialize, Serialize};
