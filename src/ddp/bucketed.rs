@@ -8,13 +8,16 @@
 //!   are final — they are copied into its flat buffer and its all-reduce (average) starts on the
 //!   communication thread while the training thread goes on with the earlier stages.
 //! * After backward: wait for every bucket (the *exposed* communication time), copy the averaged
-//!   buffers back into the gradients.
+//!   buffers back into the gradients and free them: between steps a rank holds its `.grad`s
+//!   (Ψ·4), not a second copy in buckets; the buckets are transient (Ψ·4 at the end of backward).
 //!
 //! Per step and rank: the same Ψ·4 bytes as [`DdpNaive`](super::DdpNaive), in `buckets` messages.
 
 use super::{DataParallel, DdpStats};
 use crate::comm::{CommResult, ProcessGroup, ReduceOp, Work};
+use crate::memory::{held_bytes, MemoryStats};
 use crate::model::{grads, Batch, Model};
+use crate::optim::Optimizer;
 use crate::stages::{forward_backward, AccumulateGrads, Checkpointing};
 use std::time::Instant;
 use tch::{Kind, Tensor};
@@ -64,11 +67,10 @@ fn check_assignment(assignment: &[Vec<usize>], n: usize) -> Result<(), String> {
 
 struct Bucket {
     params: Vec<usize>,
-    /// Offsets of each parameter's gradient in `flat`.
+    /// Offsets of each parameter's gradient in the bucket's flat buffer: (Σ numel,) f32, the
+    /// bucket's gradients, all-reduced (average over dp) in one message. Allocated when the bucket
+    /// is ready in backward, carried by its `Work`, freed once copied back into the `.grad`s.
     offsets: Vec<i64>,
-    /// (Σ numel,) f32: the bucket's gradients, all-reduced (average over dp) in one message.
-    /// Away (undefined) while its all-reduce runs: the `Work` holds it.
-    flat: Tensor,
     numel: i64,
     /// After this stage's backward every gradient in the bucket is final.
     ready_stage: usize,
@@ -85,6 +87,8 @@ pub struct DdpBucketed<'a> {
     unsynced: bool,
     stats: DdpStats,
     checkpointing: Checkpointing,
+    /// The most bytes of flat buckets alive at once so far (all of them at the end of backward).
+    peak_transient: u64,
 }
 
 impl<'a> DdpBucketed<'a> {
@@ -145,8 +149,7 @@ impl<'a> DdpBucketed<'a> {
                     n += params[i].numel() as i64;
                 }
                 let ready_stage = idx.iter().map(|&i| stages[i]).min().unwrap_or(0);
-                let dev = idx.first().map_or(tch::Device::Cpu, |&i| params[i].device());
-                Bucket { params: idx, offsets, flat: flat_buffer(n, dev), numel: n, ready_stage }
+                Bucket { params: idx, offsets, numel: n, ready_stage }
             })
             .collect();
         Ok(DdpBucketed {
@@ -158,6 +161,7 @@ impl<'a> DdpBucketed<'a> {
             unsynced: false,
             stats: DdpStats::default(),
             checkpointing: Checkpointing::None,
+            peak_transient: 0,
         })
     }
 
@@ -176,7 +180,8 @@ impl DataParallel for DdpBucketed<'_> {
         self.pg
     }
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
-        let DdpBucketed { pg, model, params, buckets, require_sync, unsynced, stats, checkpointing } = self;
+        let DdpBucketed { pg, model, params, buckets, require_sync, unsynced, stats, checkpointing, peak_transient } =
+            self;
         let sync = *require_sync;
         *unsynced = !sync;
         let mut works: Vec<(usize, Work<Tensor>)> = Vec::new();
@@ -187,16 +192,13 @@ impl DataParallel for DdpBucketed<'_> {
                 return Ok(());
             }
             for (bi, b) in buckets.iter_mut().enumerate().filter(|(_, b)| b.ready_stage == stage) {
-                if !b.flat.defined() {
-                    b.flat = flat_buffer(b.numel, b.params.first().map_or(tch::Device::Cpu, |&i| params[i].device()));
-                    // lost with a failed step: start afresh
-                }
+                let dev = b.params.first().map_or(tch::Device::Cpu, |&i| params[i].device());
+                let flat = flat_buffer(b.numel, dev); // every element is written below
                 let g = grads(&b.params.iter().map(|&i| params[i].shallow_clone()).collect::<Vec<_>>());
                 for (g, &off) in g.iter().zip(&b.offsets) {
-                    b.flat.narrow(0, off, g.numel() as i64).copy_(&g.view([-1]));
+                    flat.narrow(0, off, g.numel() as i64).copy_(&g.view([-1]));
                 }
                 // The bucket's buffer travels with the Work and comes back from `wait`.
-                let flat = std::mem::replace(&mut b.flat, Tensor::new());
                 match pg.all_reduce_async(flat, ReduceOp::Avg) {
                     Ok(w) => works.push((bi, w)),
                     Err(e) => {
@@ -225,17 +227,22 @@ impl DataParallel for DdpBucketed<'_> {
         if let Some(e) = err {
             return Err(e);
         }
+        let mut in_flight = 0;
         for (bi, r) in results {
             let (flat, t) = r?;
             stats.comm_s += (t.finished - t.started).as_secs_f64();
-            let b = &mut buckets[bi];
-            b.flat = flat;
+            let b = &buckets[bi];
             for (&i, &off) in b.params.iter().zip(&b.offsets) {
                 let mut g = params[i].grad();
-                g.copy_(&b.flat.narrow(0, off, g.numel() as i64).view_as(&g));
+                g.copy_(&flat.narrow(0, off, g.numel() as i64).view_as(&g));
             }
-            stats.bytes += (b.flat.numel() * 4) as u64;
+            stats.bytes += (flat.numel() * 4) as u64;
+            in_flight += held_bytes([&flat]);
+            // Not kept between steps: the next backward allocates it again (freed memory is
+            // reused, see launch::keep_freed_memory), so between steps DDP holds Ψ·4 of gradients.
+            drop(flat);
         }
+        *peak_transient = (*peak_transient).max(in_flight);
         stats.syncs += 1;
         Ok(loss)
     }
@@ -251,9 +258,21 @@ impl DataParallel for DdpBucketed<'_> {
     fn stats(&self) -> DdpStats {
         self.stats
     }
+    /// As every replicated strategy (the full model and its `.grad`s), plus the flat buckets'
+    /// peak during backward as transient memory: they are not kept between steps.
+    fn memory(&self, opt: &dyn Optimizer) -> MemoryStats {
+        let grads: Vec<Tensor> = self.params.iter().map(|p| p.grad()).collect();
+        MemoryStats {
+            params: held_bytes(&self.params),
+            grads: held_bytes(&grads),
+            optim: opt.state_bytes(),
+            peak_transient: self.peak_transient,
+            offloaded: 0,
+        }
+    }
 }
 
-/// A bucket's flat gradients, on the parameters' device.
+/// A bucket's flat gradients, on the parameters' device (uninitialised: every element is copied in).
 fn flat_buffer(n: i64, device: tch::Device) -> Tensor {
-    Tensor::zeros([n], (Kind::Float, device))
+    Tensor::empty([n], (Kind::Float, device))
 }

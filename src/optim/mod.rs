@@ -15,7 +15,8 @@
 //! element for element: decoupled weight decay `p ← p·(1 − lr·wd)`, `m ← β₁m + (1−β₁)g`,
 //! `v ← β₂v + (1−β₂)g²`, `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`. Weight decay follows
 //! nanoGPT's groups: tensors of two or more dimensions (matrices, embeddings) decay, biases and
-//! LayerNorm gains do not; a flat shard carries that choice per element ([`Decay::Mask`]).
+//! LayerNorm gains do not; a flat shard carries that choice as the element ranges it decays
+//! ([`Decay::Ranges`]).
 
 mod step;
 
@@ -62,9 +63,10 @@ pub enum Decay {
     All,
     /// No element (a bias, a LayerNorm gain).
     Nothing,
-    /// Per element: a (numel,) f32 tensor, 1 where decayed, 0 elsewhere (a ZeRO shard, which may
-    /// end inside a matrix and go on into a bias; padding is 0).
-    Mask(Tensor),
+    /// The elements in these ranges of a flat slot, none other (a ZeRO shard, which may end
+    /// inside a matrix and go on into a bias; padding is never decayed). Ranges, not a per-element
+    /// mask: nothing the size of the shard is kept for it.
+    Ranges(Vec<std::ops::Range<i64>>),
 }
 
 impl Decay {
@@ -176,7 +178,12 @@ fn decay_(p: &Tensor, decay: &Decay, lr: f64, wd: f64) {
     let _ = match decay {
         Decay::All => p.shallow_clone().g_mul_scalar_(1.0 - lr * wd),
         Decay::Nothing => return,
-        Decay::Mask(mask) => p.shallow_clone().g_mul_(&(mask * (-lr * wd) + 1.0)),
+        Decay::Ranges(ranges) => {
+            for r in ranges {
+                let _ = p.narrow(0, r.start, r.end - r.start).g_mul_scalar_(1.0 - lr * wd);
+            }
+            return;
+        }
     };
 }
 

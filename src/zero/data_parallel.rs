@@ -158,7 +158,7 @@ impl DataParallel for Zero<'_> {
         let held = Held::uniform(
             z.units.iter().map(|u| u.shard.shallow_clone()).collect(),
             z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect(),
-            z.units.iter().map(|u| Decay::Mask(u.decay_mask.shallow_clone())).collect(),
+            z.units.iter().map(|u| Decay::Ranges(u.decay.clone())).collect(),
             true,
         );
         let stepped = optim::optimizer_step(&[z.pg], opt, &held, lr, grad_clip, non_finite, refusal)?;

@@ -13,9 +13,10 @@
 //!
 //! The optimizer is the caller's ([`crate::optim::AdamW`], the one every strategy steps), passed to
 //! [`DataParallel::step`](crate::ddp::DataParallel::step) with the step's learning rate and clip:
-//! it sees one slot per unit, this rank's flat shard, with a per-element weight-decay mask
-//! ([`Decay::Mask`](crate::optim::Decay::Mask)). The step all-reduces the shards' sum of squares once for the global gradient
-//! norm (clipping) and refuses on every rank when it is not finite.
+//! it sees one slot per unit, this rank's flat shard, with the element ranges it weight-decays
+//! ([`Decay::Ranges`](crate::optim::Decay::Ranges)). The step ([`crate::optim::optimizer_step`])
+//! all-reduces the shards' sum of squares once for the global gradient norm (clipping) and
+//! refuses on every rank when any gradient is not finite.
 //!
 //! Stage 3 materialises a unit only while it is needed: all-gather before its forward, free after;
 //! all-gather again before its backward, free after (the root stays gathered for the whole step, as
@@ -92,9 +93,9 @@ struct Unit {
     /// micro-batches and zeroed after each step — ZeRO-1 keeps full gradients; stages 2–3: in the
     /// reduce dtype, freed once reduced).
     grad_full: Option<Tensor>,
-    /// (shard,) f32: 1 where the element belongs to a weight-decayed tensor (nanoGPT's groups), 0
-    /// elsewhere and in the padding — the optimizer's [`Decay::Mask`] for this shard.
-    decay_mask: Tensor,
+    /// The shard's element ranges that belong to weight-decayed tensors (nanoGPT's groups; never
+    /// the padding) — the optimizer's [`Decay::Ranges`](crate::optim::Decay::Ranges) for this shard.
+    decay: Vec<std::ops::Range<i64>>,
     /// The unit's gradients are final after this stage's backward.
     done_stage: usize,
     /// CPU offload on a GPU: pinned host buffers of one shard for the copy down (reduce kind) and
@@ -220,10 +221,13 @@ impl<'a> Zero<'a> {
                 });
                 (Some(working), flat.narrow(0, r.start, r.end - r.start).copy())
             };
-            let mut mask = vec![0f32; layout.shard as usize];
+            let mut decay: Vec<std::ops::Range<i64>> = Vec::new();
             for (i, _within, in_shard) in layout.shard_pieces(rank) {
                 if layout.shapes[i].len() >= 2 {
-                    mask[in_shard.start as usize..in_shard.end as usize].iter_mut().for_each(|x| *x = 1.0);
+                    match decay.last_mut() {
+                        Some(last) if last.end == in_shard.start => last.end = in_shard.end,
+                        _ => decay.push(in_shard),
+                    }
                 }
             }
             let done_stage = idx.iter().map(|&i| stages[i]).min().unwrap_or(0);
@@ -235,7 +239,7 @@ impl<'a> Zero<'a> {
                 full,
                 shard,
                 grad_full: None,
-                decay_mask: Tensor::from_slice(&mask).to_device(device),
+                decay,
                 done_stage,
                 is_root,
                 staging: (None, None),
@@ -292,7 +296,7 @@ impl<'a> Zero<'a> {
     }
 
     /// CPU offload (DeepSpeed's ZeRO-Offload; FSDP2's `CPUOffloadPolicy`): move this rank's f32
-    /// master shards, their gradient shards and the per-element decay masks to host memory and run
+    /// master shards and their gradient shards to host memory and run
     /// the optimizer there (its AdamW state is allocated next to the shards: host memory too). The
     /// device keeps the working parameters in the compute kind (whole for stages 1–2, gathered on
     /// demand for stage 3) and the transient flat gradients. Per step, each unit's averaged
@@ -327,7 +331,6 @@ impl<'a> Zero<'a> {
             let move_ = |t: &Tensor| if on { host(t) } else { back(t) };
             u.shard = move_(&u.shard);
             u.grad_shard = move_(&u.grad_shard);
-            u.decay_mask = move_(&u.decay_mask);
             let n = u.layout.shard;
             u.staging = if on { (pinned(n, reduce_kind), pinned(n, param_kind)) } else { (None, None) };
         }
