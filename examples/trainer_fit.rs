@@ -1,7 +1,7 @@
 //! Lesson 05's Trainer listing: a per-worker DDP training loop on two ranks, Ray Train style.
 //!
 //! `cargo run --release --example trainer_fit` (`tests/docs.rs` checks that lesson 05's text and
-//! `src/trainer.rs` show exactly the lines between the `listing` markers, and runs this).
+//! `src/trainer/mod.rs` show exactly the lines between the `listing` markers, and runs this).
 
 fn main() -> anyhow::Result<()> {
     // listing: begin

@@ -43,11 +43,11 @@ pub mod prelude {
     pub use crate::data::{synthetic_corpus, DistributedSampler, Tokens};
     pub use crate::ddp::{DataParallel, DdpBucketed, DdpNaive, DdpStats, StepOutput, Variant};
     pub use crate::launch::{is_spawned_child, spawn, spawn_with, Launch, LaunchError, SpawnOptions};
-    pub use crate::model::{staged_backward, zero_grads, Batch, Gpt, GptConfig, Mlp, MlpConfig, Model};
+    pub use crate::model::{zero_grads, Batch, Gpt, GptConfig, Mlp, MlpConfig, Model};
     pub use crate::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer, Sgd, StepConfig};
     pub use crate::plot::{BarChart, LineChart, Units};
     pub use crate::precision::{GradScaler, Precision};
-    pub use crate::stages::Checkpointing;
+    pub use crate::stages::{staged_backward, Checkpointing};
     pub use crate::trainer::{ScalingConfig, Strategy, TrainContext, Trainer};
     pub use serde_json::json;
     pub use tch::{Device, Kind, Tensor};

@@ -118,7 +118,8 @@ pub fn layer_activation_bytes(t: &TransformerShape, tp: f64, sequence_parallel: 
 }
 
 /// Peak activation bytes on pipeline stage 0 (the most loaded) of an L-layer model: L/p layers
-/// for each micro-batch in flight — m under GPipe, min(p, m) under 1F1B — plus, under full
+/// for each of the `in_flight` micro-batches it holds at once — m under GPipe, min(p, m) under
+/// 1F1B ([`Schedule::in_flight`](crate::pipeline::Schedule::in_flight)) — plus, under full
 /// recompute, one layer's activations recomputed at a time. Embedding and output layers aside.
 pub fn stage_activation_bytes(
     t: &TransformerShape,
@@ -126,13 +127,8 @@ pub fn stage_activation_bytes(
     sequence_parallel: bool,
     r: Recompute,
     pp: f64,
-    micro_batches: f64,
-    schedule: crate::pipeline::Schedule,
+    in_flight: f64,
 ) -> f64 {
-    let in_flight = match schedule {
-        crate::pipeline::Schedule::GPipe => micro_batches,
-        crate::pipeline::Schedule::OneFOneB => pp.min(micro_batches),
-    };
     let kept = t.layers / pp * in_flight * layer_activation_bytes(t, tp, sequence_parallel, r);
     let recomputing =
         if r == Recompute::Full { layer_activation_bytes(t, tp, sequence_parallel, Recompute::None) } else { 0.0 };
@@ -214,13 +210,13 @@ mod tests {
     /// whatever p; GPipe holds all m.
     #[test]
     fn the_first_pipeline_stage_holds_l_layers_under_1f1b() {
-        use crate::pipeline::Schedule;
         let t = TransformerShape { layers: 96.0, hidden: 12288.0, heads: 96.0, seq: 2048.0, micro_batch: 1.0 };
         let layer = layer_activation_bytes(&t, 8.0, true, Recompute::Selective);
         for p in [2.0, 8.0, 32.0] {
-            let got = stage_activation_bytes(&t, 8.0, true, Recompute::Selective, p, 64.0, Schedule::OneFOneB);
+            // 1F1B: p of the 64 micro-batches in flight; GPipe: all 64.
+            let got = stage_activation_bytes(&t, 8.0, true, Recompute::Selective, p, p);
             assert!((got - 96.0 * layer).abs() < 1.0, "p={p}");
-            let gpipe = stage_activation_bytes(&t, 8.0, true, Recompute::Selective, p, 64.0, Schedule::GPipe);
+            let gpipe = stage_activation_bytes(&t, 8.0, true, Recompute::Selective, p, 64.0);
             assert!((gpipe - 96.0 / p * 64.0 * layer).abs() < 1.0, "p={p}");
         }
     }

@@ -208,3 +208,23 @@ impl<F: FnMut(usize) -> CommResult<()>> StageHooks for AccumulateGrads<F> {
         (self.on_stage_done)(s)
     }
 }
+
+/// Forward, then backward one stage at a time from the last to the first, scaling the loss by
+/// `scale` (1/accumulation steps), adding the gradients into the parameters' `.grad`. After stage
+/// `s`'s backward, every parameter whose first use is stage `s` has its final gradient for this
+/// batch and `on_stage_done(s)` is called.
+///
+/// How: the output of each stage is detached into a fresh leaf that requires grad and fed to the
+/// next stage, so each stage has its own graph. Backward of stage `s` is `sum(out_s · g)` where
+/// `g` is the gradient that stage `s+1`'s backward left on its input leaf — by the chain rule the
+/// same parameter gradients as one monolithic `loss.backward()`. Returns the (unscaled) loss value.
+/// This is [`forward_backward`] with no checkpointing and the replicated
+/// strategies' hooks.
+pub fn staged_backward(model: &dyn Model, batch: &Batch, scale: f64, mut on_stage_done: impl FnMut(usize)) -> f64 {
+    let params = model.parameters();
+    let mut hooks = AccumulateGrads::new(&params, |s| {
+        on_stage_done(s);
+        Ok(())
+    });
+    forward_backward(model, &params, batch, scale, Checkpointing::None, &mut hooks).expect("these hooks cannot fail")
+}

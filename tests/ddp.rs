@@ -5,9 +5,10 @@
 
 use shardlab::data::{synthetic_corpus, DistributedSampler, Tokens};
 use shardlab::ddp::{self, Variant};
-use shardlab::model::{staged_backward, zero_grads, Gpt, GptConfig, Model};
+use shardlab::model::{zero_grads, Gpt, GptConfig, Model};
 use shardlab::optim::AdamWConfig;
 use shardlab::prelude::*;
+use shardlab::stages::staged_backward;
 use std::time::Duration;
 
 const STEPS: u64 = 3;

@@ -117,7 +117,7 @@ fn main() -> anyhow::Result<()> {
     }
     let (tp, pp) = (a.tp as f64, a.pp as f64);
     let acts = shape.map(|t| {
-        let at = |r| stage_activation_bytes(&t, tp, a.sequence_parallel, r, pp, m as f64, a.schedule);
+        let at = |r| stage_activation_bytes(&t, tp, a.sequence_parallel, r, pp, a.schedule.in_flight(pp, m as f64));
         (at(Recompute::None), at(Recompute::Full), at(a.recompute))
     });
     let act_used = acts.map(|(_, _, used)| used).unwrap_or(0.0);

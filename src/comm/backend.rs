@@ -6,7 +6,7 @@
 //!
 //! Two implementations: the host backend (`host.rs`): CPU tensors, the algorithms of `algo/`
 //! over a byte transport (`local.rs`: threads; `tcp/`: processes and machines); and the NCCL
-//! backend (`nccl.rs`, lesson 11), following the design below.
+//! backend (`nccl/`, lesson 11), following the design below.
 
 use super::algo::Algo;
 use super::dtype::ReduceOp;

@@ -9,8 +9,10 @@
 
 pub mod elastic;
 pub mod isolated;
+pub mod pipeline_run;
 pub mod pytorch;
 pub mod step_loop;
+pub mod tp_run;
 
 pub use elastic::{Attempt, Elastic};
 pub use isolated::{run_isolated, run_isolated_with_env, run_one_if_asked, scaling, OneRun, TempCorpus};

@@ -24,10 +24,10 @@ impl GptJob {
             "sequence parallelism splits over the tensor-parallel group: it needs tensor_parallel > 1 (--tp)"
         );
         if ctx.scaling().pipeline.stages != 1 {
-            return crate::pipeline::train::run(self, ctx);
+            return super::pipeline_run::run(self, ctx);
         }
         if ctx.scaling().tensor_parallel != 1 {
-            return crate::tp::train::run(self, ctx, ctx.scaling().tensor_parallel);
+            return super::tp_run::run(self, ctx, ctx.scaling().tensor_parallel);
         }
         let data = self.data.load()?;
         let model = self.build_model()?;

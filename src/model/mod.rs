@@ -4,8 +4,8 @@
 //! Both expose their forward pass as a chain of *stages* (GPT: embeddings, one stage per block,
 //! head + loss). libtorch's autograd has no per-parameter hooks reachable from tch, so the
 //! parallel wrappers get "this gradient is final now" by structure instead: the stage runner
-//! ([`crate::stages::forward_backward`], which every strategy runs; [`staged_backward`] is a thin
-//! wrapper over it) cuts the graph at stage boundaries and runs backward one stage at a time,
+//! (`crate::stages::forward_backward`, which every strategy runs; `stages::staged_backward` is a
+//! thin wrapper over it) cuts the graph at stage boundaries and runs backward one stage at a time,
 //! calling the strategy's hooks after each — the moment DDP may start all-reducing that stage's
 //! gradients (lesson 05) and FSDP may free and re-shard its parameters.
 
@@ -111,27 +111,6 @@ pub trait Model: Send {
         }
         x
     }
-}
-
-/// Forward, then backward one stage at a time from the last to the first, scaling the loss by
-/// `scale` (1/accumulation steps), adding the gradients into the parameters' `.grad`. After stage
-/// `s`'s backward, every parameter whose first use is stage `s` has its final gradient for this
-/// batch and `on_stage_done(s)` is called.
-///
-/// How: the output of each stage is detached into a fresh leaf that requires grad and fed to the
-/// next stage, so each stage has its own graph. Backward of stage `s` is `sum(out_s · g)` where
-/// `g` is the gradient that stage `s+1`'s backward left on its input leaf — by the chain rule the
-/// same parameter gradients as one monolithic `loss.backward()`. Returns the (unscaled) loss value.
-/// This is [`crate::stages::forward_backward`] with no checkpointing and the replicated
-/// strategies' hooks.
-pub fn staged_backward(model: &dyn Model, batch: &Batch, scale: f64, mut on_stage_done: impl FnMut(usize)) -> f64 {
-    use crate::stages::{forward_backward, AccumulateGrads, Checkpointing};
-    let params = model.parameters();
-    let mut hooks = AccumulateGrads::new(&params, |s| {
-        on_stage_done(s);
-        Ok(())
-    });
-    forward_backward(model, &params, batch, scale, Checkpointing::None, &mut hooks).expect("these hooks cannot fail")
 }
 
 /// Group parameter indices by the stage that first uses them (`param_stages`), for `num_stages` stages.

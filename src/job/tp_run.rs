@@ -9,13 +9,13 @@
 //! checkpointing, distributed checkpoints, offload, GPUs and ZeRO on the dp dimension — each
 //! refused with the reason on every rank before any computes.
 
-use super::TpGpt;
+use super::{GptJob, RunSummary};
 use crate::comm::DeviceMesh;
 use crate::data::DistributedSampler;
-use crate::job::{GptJob, RunSummary};
 use crate::memory::MemoryStats;
 use crate::model::Model;
 use crate::optim::{AdamW, Optimizer};
+use crate::tp::TpGpt;
 use crate::trainer::{Strategy, TrainContext};
 use serde_json::json;
 use std::time::Instant;

@@ -1,229 +1,19 @@
-//! The `nccl` backend (lesson 11): whole collectives on CUDA memory by NVIDIA's NCCL, behind the
-//! same [`CommBackend`] seam as the host backend (see that trait's docs for the design).
-//!
-//! NCCL and the CUDA runtime are loaded at run time (`dlopen`), never linked: the crate builds
-//! and tests on machines without them. A process whose binary links libtorch_cuda.so already has
-//! both loaded (PyTorch's wheel ships `libnccl.so.2` in nvidia-nccl-cu13 and libtorch_cuda needs
-//! it), and we take those; otherwise `SHARDLAB_NCCL_LIB` may name the library file.
-//!
-//! Point-to-point: each `send`/`recv` is its own NCCL call, so a pair of ranks must order them
-//! (one sends first, the other receives first); both sending first deadlocks, where the host
-//! backends buffer a send. The collectives have no such caveat.
-//!
-//! Not yet: non-blocking communicator creation (`ncclCommInitRankConfig`), so `init_nccl` and
-//! NCCL's first connection set-up are not bounded by the rendezvous timeout; an abort is local
-//! (NCCL has no message to its peers: theirs fail on NCCL's error or on the group's timeout).
-//!
-//! Ordering: libtorch computes on the device's legacy default stream. Each operation records an
-//! event there, makes the backend's own stream wait for it (the kernels that produced the input
-//! have run), enqueues the NCCL kernel on the backend's stream and records a completion event;
-//! `Work::wait` polls that event, the communicator's asynchronous error and the group's timeout
-//! (on a timeout or an error it aborts the communicator, as torch's NCCL watchdog does).
+//! The backend itself: [`NcclBackend`], one rank's NCCL communicator with its own CUDA stream;
+//! each operation is ordered after libtorch's stream by an event, enqueued on ours, and handed
+//! back as a `Running` operation whose completion event `Work::wait` polls (with the
+//! communicator's asynchronous error and the group's timeout).
 
-use super::backend::{CommBackend, CommStats, InFlight, Pending};
-use super::dtype::{DType, ReduceOp};
-use super::error::{CommError, CommResult};
-use super::frame::OpKind;
-use super::Algo;
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use super::ffi::{cuda, nccl_op, nccl_type, Comm, Event, Lib, Stream, UniqueId};
+use crate::comm::backend::{CommBackend, CommStats, InFlight, Pending};
+use crate::comm::dtype::{DType, ReduceOp};
+use crate::comm::error::{CommError, CommResult};
+use crate::comm::frame::OpKind;
+use crate::comm::Algo;
+use std::ffi::{c_int, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tch::Tensor;
-
-type Comm = *mut c_void;
-type Stream = *mut c_void;
-type Event = *mut c_void;
-
-/// NCCL's 128-byte unique id: rank 0 makes it, every rank needs it to join the communicator.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct UniqueId(pub [u8; 128]);
-
-/// The functions we use, from libnccl.so.2 and libcudart.
-#[allow(clippy::type_complexity)]
-pub struct Lib {
-    get_version: unsafe extern "C" fn(*mut c_int) -> c_int,
-    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
-    comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int,
-    comm_abort: unsafe extern "C" fn(Comm) -> c_int,
-    comm_destroy: unsafe extern "C" fn(Comm) -> c_int,
-    comm_get_async_error: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
-    error_string: unsafe extern "C" fn(c_int) -> *const c_char,
-    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> c_int,
-    broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> c_int,
-    all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, Stream) -> c_int,
-    reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> c_int,
-    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, Comm, Stream) -> c_int,
-    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, Stream) -> c_int,
-    set_device: unsafe extern "C" fn(c_int) -> c_int,
-    stream_create: unsafe extern "C" fn(*mut Stream, c_uint) -> c_int,
-    event_create: unsafe extern "C" fn(*mut Event, c_uint) -> c_int,
-    event_record: unsafe extern "C" fn(Event, Stream) -> c_int,
-    event_query: unsafe extern "C" fn(Event) -> c_int,
-    event_destroy: unsafe extern "C" fn(Event) -> c_int,
-    stream_wait_event: unsafe extern "C" fn(Stream, Event, c_uint) -> c_int,
-}
-
-// Function pointers into loaded libraries (never unloaded).
-unsafe impl Send for Lib {}
-unsafe impl Sync for Lib {}
-
-fn open(names: &[String]) -> Result<*mut c_void, String> {
-    for n in names {
-        let c = CString::new(n.as_str()).map_err(|e| e.to_string())?;
-        // Already loaded (by libtorch_cuda) first, then the dynamic linker's search.
-        for flags in [libc::RTLD_NOW | libc::RTLD_NOLOAD, libc::RTLD_NOW | libc::RTLD_LOCAL] {
-            let h = unsafe { libc::dlopen(c.as_ptr(), flags) };
-            if !h.is_null() {
-                return Ok(h);
-            }
-        }
-    }
-    Err(format!("none of {names:?} could be loaded"))
-}
-
-fn sym<T: Copy>(h: *mut c_void, name: &str) -> Result<T, String> {
-    let c = CString::new(name).expect("symbol name");
-    let p = unsafe { libc::dlsym(h, c.as_ptr()) };
-    if p.is_null() {
-        return Err(format!("symbol {name} not found"));
-    }
-    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<*mut c_void>());
-    Ok(unsafe { std::mem::transmute_copy(&p) })
-}
-
-impl Lib {
-    fn load() -> Result<Lib, String> {
-        let mut nccl = vec!["libnccl.so.2".to_string(), "libnccl.so".to_string()];
-        if let Ok(p) = std::env::var("SHARDLAB_NCCL_LIB") {
-            nccl.insert(0, p);
-        }
-        let n = open(&nccl).map_err(|e| format!("NCCL: {e} (set SHARDLAB_NCCL_LIB to libnccl.so.2's path)"))?;
-        let cudart: Vec<String> = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"].map(String::from).to_vec();
-        let c = open(&cudart).map_err(|e| format!("the CUDA runtime: {e}"))?;
-        Ok(Lib {
-            get_version: sym(n, "ncclGetVersion")?,
-            get_unique_id: sym(n, "ncclGetUniqueId")?,
-            comm_init_rank: sym(n, "ncclCommInitRank")?,
-            comm_abort: sym(n, "ncclCommAbort")?,
-            comm_destroy: sym(n, "ncclCommDestroy")?,
-            comm_get_async_error: sym(n, "ncclCommGetAsyncError")?,
-            error_string: sym(n, "ncclGetErrorString")?,
-            all_reduce: sym(n, "ncclAllReduce")?,
-            broadcast: sym(n, "ncclBroadcast")?,
-            all_gather: sym(n, "ncclAllGather")?,
-            reduce_scatter: sym(n, "ncclReduceScatter")?,
-            send: sym(n, "ncclSend")?,
-            recv: sym(n, "ncclRecv")?,
-            set_device: sym(c, "cudaSetDevice")?,
-            stream_create: sym(c, "cudaStreamCreateWithFlags")?,
-            event_create: sym(c, "cudaEventCreateWithFlags")?,
-            event_record: sym(c, "cudaEventRecord")?,
-            event_query: sym(c, "cudaEventQuery")?,
-            event_destroy: sym(c, "cudaEventDestroy")?,
-            stream_wait_event: sym(c, "cudaStreamWaitEvent")?,
-        })
-    }
-
-    /// NCCL and the CUDA runtime, loaded once per process.
-    pub fn get() -> CommResult<&'static Lib> {
-        static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
-        LIB.get_or_init(Lib::load).as_ref().map_err(|e| CommError::InvalidArgument(format!("nccl backend: {e}")))
-    }
-
-    /// NCCL's version code (e.g. 22803 for 2.28.3).
-    pub fn version(&self) -> CommResult<i32> {
-        let mut v = 0;
-        self.check(unsafe { (self.get_version)(&mut v) }, "ncclGetVersion")?;
-        Ok(v)
-    }
-
-    /// A fresh unique id (rank 0's job).
-    pub fn unique_id(&self) -> CommResult<UniqueId> {
-        let mut id = UniqueId([0; 128]);
-        self.check(unsafe { (self.get_unique_id)(&mut id) }, "ncclGetUniqueId")?;
-        Ok(id)
-    }
-
-    fn check(&self, r: c_int, what: &str) -> CommResult<()> {
-        if r == 0 {
-            return Ok(());
-        }
-        let msg = unsafe { CStr::from_ptr((self.error_string)(r)) }.to_string_lossy().into_owned();
-        Err(CommError::Io(format!("{what}: NCCL error {r}: {msg}")))
-    }
-}
-
-/// Rank 0's NCCL unique id, handed to every rank through the job's authenticated store under
-/// `key` (lesson 11; one key per communicator: a subgroup or a restarted generation has its own).
-/// Rank 0 calls `make` (ncclGetUniqueId) and publishes `id:` followed by the 128 bytes; if `make`
-/// fails it publishes `error:` and the reason, so every rank fails at once with it instead of
-/// waiting out `timeout`. The others wait up to `timeout` for the value. Rank 0 returns its own id.
-pub fn share_unique_id(
-    store: &mut super::store::StoreClient,
-    rank: usize,
-    key: &str,
-    make: impl FnOnce() -> CommResult<UniqueId>,
-    timeout: Duration,
-) -> CommResult<UniqueId> {
-    if rank == 0 {
-        return match make() {
-            Ok(id) => {
-                store.set(key, &[&b"id:"[..], &id.0[..]].concat())?;
-                Ok(id)
-            }
-            Err(e) => {
-                store.set(key, format!("error:{e}").as_bytes())?;
-                Err(e)
-            }
-        };
-    }
-    let v = store.get(key, timeout)?.ok_or_else(|| {
-        CommError::Rendezvous(format!("rank {rank}: rank 0 did not publish the NCCL id ({key}) within {timeout:?}"))
-    })?;
-    if let Some(why) = v.strip_prefix(b"error:") {
-        return Err(CommError::Rendezvous(format!(
-            "rank {rank}: rank 0 could not make the NCCL id: {}",
-            String::from_utf8_lossy(why)
-        )));
-    }
-    match v.strip_prefix(b"id:").map(<[u8; 128]>::try_from) {
-        Some(Ok(id)) => Ok(UniqueId(id)),
-        _ => Err(CommError::Protocol(format!(
-            "rank {rank}: {key} in the store is not an NCCL id (`id:` and 128 bytes; {} bytes)",
-            v.len()
-        ))),
-    }
-}
-
-fn cuda(r: c_int, what: &str) -> CommResult<()> {
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(CommError::Io(format!("{what}: CUDA error {r}")))
-    }
-}
-
-/// NCCL's data type for ours.
-fn nccl_type(d: DType) -> c_int {
-    match d {
-        DType::I64 => 4,
-        DType::F16 => 6,
-        DType::F32 => 7,
-        DType::F64 => 8,
-        DType::BF16 => 9,
-    }
-}
-
-fn nccl_op(op: ReduceOp) -> c_int {
-    match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Max => 2,
-        ReduceOp::Min => 3,
-        ReduceOp::Avg => 4,
-    }
-}
 
 /// The communicator handle, `None` once aborted or destroyed (NCCL frees it then): every use
 /// takes the read lock, abort and destroy the write lock.
@@ -327,7 +117,7 @@ impl NcclBackend {
         launch: impl FnOnce(Comm, Stream) -> c_int,
         what: &str,
     ) -> CommResult<Pending> {
-        if let Some(e) = super::relock(&self.poison).clone() {
+        if let Some(e) = crate::comm::relock(&self.poison).clone() {
             return Err(e);
         }
         let lib = self.lib;
@@ -400,12 +190,12 @@ impl Running {
         }
         let fail = |me: &Self, e: CommError| {
             me.comm.end(me.lib, false);
-            super::relock(&me.poison).get_or_insert(e).clone()
+            crate::comm::relock(&me.poison).get_or_insert(e).clone()
         };
         let mut spins = 0u32;
         let r = loop {
             // A poisoned group first: an aborted kernel's event completes too, on half-done data.
-            if let Some(e) = super::relock(&self.poison).clone() {
+            if let Some(e) = crate::comm::relock(&self.poison).clone() {
                 break Err(e);
             }
             match unsafe { (self.lib.event_query)(self.done) } {
@@ -585,17 +375,17 @@ impl CommBackend for NcclBackend {
         Ok(Pending::deferred(|| Ok(()))) // NCCL keeps no frames to look at
     }
     fn poisoned(&self) -> Option<CommError> {
-        super::relock(&self.poison).clone()
+        crate::comm::relock(&self.poison).clone()
     }
     fn abort(&self, err: &CommError) {
-        super::relock(&self.poison).get_or_insert_with(|| err.clone());
+        crate::comm::relock(&self.poison).get_or_insert_with(|| err.clone());
         // Local only: NCCL has no message to its peers; their operations fail on NCCL's own
         // error or on the group's timeout.
         self.comm.end(self.lib, false);
     }
     fn leave(&self) {
         // ncclCommDestroy synchronises with the peers' destroys: only a healthy group does it.
-        if super::relock(&self.poison).is_some() {
+        if crate::comm::relock(&self.poison).is_some() {
             self.comm.end(self.lib, false);
         } else {
             self.comm.end(self.lib, true);

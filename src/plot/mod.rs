@@ -8,6 +8,12 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+mod bar;
+mod line;
+
+pub use bar::BarChart;
+pub use line::LineChart;
+
 const W: u32 = 720;
 const H: u32 = 380;
 /// Width of the legend column.
@@ -61,98 +67,6 @@ pub fn human(v: f64, units: Units) -> String {
         Units::Plain => scaled(1000.0, ["", "k", "M", "G", "T"]),
         Units::Bytes => scaled(1024.0, [" B", " KiB", " MiB", " GiB", " TiB"]),
         Units::DecimalBytes => scaled(1000.0, [" B", " kB", " MB", " GB", " TB"]),
-    }
-}
-
-/// A line chart: several named series of (x, y) points.
-#[derive(Clone, Debug, Default)]
-pub struct LineChart {
-    pub title: String,
-    pub x_label: String,
-    pub y_label: String,
-    /// x on a log₂ axis (sizes that double), ticks at powers of two.
-    pub log2_x: bool,
-    /// y on a log₁₀ axis (bandwidths, times spanning decades).
-    pub log_y: bool,
-    pub x_units: Units,
-    pub y_units: Units,
-    pub series: Vec<(String, Vec<(f64, f64)>)>,
-}
-
-impl LineChart {
-    pub fn new(title: &str, x_label: &str, y_label: &str) -> Self {
-        LineChart { title: title.into(), x_label: x_label.into(), y_label: y_label.into(), ..Default::default() }
-    }
-    /// A log₂ x axis for sizes that double; tick labels in binary units (4 KiB … 64 MiB).
-    pub fn log2_x(mut self) -> Self {
-        self.log2_x = true;
-        self.x_units = Units::Bytes;
-        self
-    }
-    /// A log₁₀ y axis.
-    pub fn log_y(mut self) -> Self {
-        self.log_y = true;
-        self
-    }
-    /// How the y ticks are written (e.g. [`Units::DecimalBytes`] for byte counts).
-    pub fn y_units(mut self, u: Units) -> Self {
-        self.y_units = u;
-        self
-    }
-    pub fn series(mut self, name: &str, points: Vec<(f64, f64)>) -> Self {
-        self.series.push((name.into(), points));
-        self
-    }
-
-    /// The chart as an SVG document.
-    pub fn svg(&self) -> String {
-        render(|root| self.draw(root))
-    }
-
-    fn draw(&self, root: &DrawingArea<SVGBackend, Shift>) -> Result<(), Box<dyn std::error::Error>> {
-        root.fill(&WHITE)?;
-        let (plot, legend_area) = root.split_horizontally(W - LEGEND_W);
-        let pts = || self.series.iter().flat_map(|s| s.1.iter().copied());
-        let finite = |v: f64, log: bool| v.is_finite() && (!log || v > 0.0);
-        let xs: Vec<f64> = pts().map(|p| p.0).filter(|&x| finite(x, self.log2_x)).collect();
-        let ys: Vec<f64> = pts().map(|p| p.1).filter(|&y| finite(y, self.log_y)).collect();
-        let (x0, x1) = range(&xs, self.log2_x, false);
-        let (y0, y1) = range(&ys, self.log_y, !self.log_y);
-        let (xs_lin, ys_lin) = (!self.log2_x, !self.log_y);
-        let mut chart = ChartBuilder::on(&plot)
-            .caption(&self.title, (FONT, 17))
-            .margin(12)
-            .x_label_area_size(42)
-            .y_label_area_size(64)
-            .build_cartesian_2d(
-                axis(x0, x1, xs_lin, self.log2_x, self.x_units),
-                axis(y0, y1, ys_lin, false, self.y_units),
-            )?;
-        chart
-            .configure_mesh()
-            .x_desc(self.x_label.as_str())
-            .y_desc(self.y_label.as_str())
-            .axis_desc_style((FONT, 14))
-            .label_style((FONT, 12))
-            .light_line_style(RGBColor(235, 235, 235))
-            .bold_line_style(RGBColor(215, 215, 215))
-            .x_labels(10)
-            .y_labels(7)
-            .draw()?;
-        for (i, (_, points)) in self.series.iter().enumerate() {
-            let c = PALETTE[i % PALETTE.len()];
-            let pts: Vec<(f64, f64)> =
-                points.iter().copied().filter(|&(x, y)| finite(x, self.log2_x) && finite(y, self.log_y)).collect();
-            chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
-            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
-        }
-        draw_legend(&legend_area, self.series.iter().map(|s| s.0.as_str()), false)?;
-        Ok(())
-    }
-
-    /// Display inline in an evcxr notebook.
-    pub fn show(&self) {
-        show_svg(&self.svg());
     }
 }
 
@@ -250,91 +164,6 @@ fn range(v: &[f64], log: bool, from_zero: bool) -> (f64, f64) {
     let (lo, hi) = if from_zero { (lo.min(0.0), hi.max(0.0)) } else { (lo, hi) };
     let pad = if hi > lo { (hi - lo) * 0.06 } else { hi.abs().max(1.0) * 0.1 };
     (if from_zero && lo == 0.0 { 0.0 } else { lo - pad }, if from_zero && hi == 0.0 { 0.0 } else { hi + pad })
-}
-
-/// A grouped bar chart: `groups` along x, one bar per series in each group.
-#[derive(Clone, Debug, Default)]
-pub struct BarChart {
-    pub title: String,
-    pub y_label: String,
-    pub groups: Vec<String>,
-    pub y_units: Units,
-    pub series: Vec<(String, Vec<f64>)>,
-}
-
-impl BarChart {
-    pub fn new(title: &str, y_label: &str, groups: &[&str]) -> Self {
-        BarChart {
-            title: title.into(),
-            y_label: y_label.into(),
-            groups: groups.iter().map(|g| g.to_string()).collect(),
-            ..Default::default()
-        }
-    }
-    /// How the y ticks are written (e.g. [`Units::DecimalBytes`] for byte counts).
-    pub fn y_units(mut self, u: Units) -> Self {
-        self.y_units = u;
-        self
-    }
-    pub fn series(mut self, name: &str, values: Vec<f64>) -> Self {
-        self.series.push((name.into(), values));
-        self
-    }
-
-    /// The chart as an SVG document.
-    pub fn svg(&self) -> String {
-        render(|root| self.draw(root))
-    }
-
-    fn draw(&self, root: &DrawingArea<SVGBackend, Shift>) -> Result<(), Box<dyn std::error::Error>> {
-        root.fill(&WHITE)?;
-        let (plot, legend_area) = root.split_horizontally(W - LEGEND_W);
-        let vals: Vec<f64> = self.series.iter().flat_map(|s| s.1.iter().copied()).filter(|v| v.is_finite()).collect();
-        let (y0, y1) = range(&vals, false, true);
-        let ng = self.groups.len().max(1);
-        let groups = self.groups.clone();
-        let mut chart = ChartBuilder::on(&plot)
-            .caption(&self.title, (FONT, 17))
-            .margin(12)
-            .x_label_area_size(42)
-            .y_label_area_size(64)
-            .build_cartesian_2d(0f64..ng as f64, axis(y0, y1, true, false, self.y_units))?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(ng * 2 + 1)
-            .x_label_formatter(&|x| {
-                let i = x.floor() as usize;
-                if (x - i as f64 - 0.5).abs() < 1e-6 {
-                    groups.get(i).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_desc(self.y_label.as_str())
-            .axis_desc_style((FONT, 14))
-            .label_style((FONT, 12))
-            .light_line_style(RGBColor(235, 235, 235))
-            .bold_line_style(RGBColor(215, 215, 215))
-            .y_labels(7)
-            .draw()?;
-        let ns = self.series.len().max(1) as f64;
-        let width = 0.8 / ns;
-        for (si, (_, values)) in self.series.iter().enumerate() {
-            let c = PALETTE[si % PALETTE.len()];
-            chart.draw_series(values.iter().take(ng).enumerate().filter(|(_, v)| v.is_finite()).map(|(g, &v)| {
-                let x = g as f64 + 0.1 + si as f64 * width;
-                Rectangle::new([(x, 0.0), (x + width * 0.92, v)], c.filled())
-            }))?;
-        }
-        draw_legend(&legend_area, self.series.iter().map(|s| s.0.as_str()), true)?;
-        Ok(())
-    }
-
-    /// Display inline in an evcxr notebook.
-    pub fn show(&self) {
-        show_svg(&self.svg());
-    }
 }
 
 /// The legend, in its own column: a swatch (a line for line charts, a square for bars) per series.

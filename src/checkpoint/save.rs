@@ -1,0 +1,175 @@
+//! Saving a checkpoint ([`save`]): every rank writes the pieces it holds into `step-N.tmp/`, then
+//! rank 0 merges the ranks' indexes into `metadata.json` and commits (the scheme in the module
+//! documentation of `checkpoint`).
+
+use super::{
+    agree, committed, files, fsync_dir, plan, remove_checkpoint, step_dir_name, write_synced, FileMeta, Metadata,
+    PieceMeta, RankIndex, Report, SaveOptions, TensorMeta, FORMAT_VERSION, LATEST, METADATA,
+};
+use crate::ddp::DataParallel;
+use crate::optim::{AdamW, AdamWState};
+use anyhow::{ensure, Context};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use tch::Tensor;
+
+/// Save `dp`'s parameters and `opt`'s state at `step` into `dir` (a collective: every rank calls
+/// it). `extra`: the job's state, stored in the metadata. Returns what this rank wrote. On any
+/// rank's failure every rank returns an error and the previous checkpoints are untouched.
+pub fn save(
+    dp: &dyn DataParallel,
+    opt: &AdamW,
+    dir: &Path,
+    step: u64,
+    extra: serde_json::Value,
+    opts: &SaveOptions,
+) -> anyhow::Result<Report> {
+    let t0 = std::time::Instant::now();
+    let pg = dp.group();
+    let (rank, n) = (pg.rank(), pg.world_size());
+    let name = step_dir_name(step);
+    let tmp = dir.join(format!("{name}.tmp"));
+    // ---- rank 0 prepares the folder (and removes what earlier crashed saves left) ----
+    agree(pg, "preparing the checkpoint folder", || {
+        if rank == 0 {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            for e in std::fs::read_dir(dir)?.flatten() {
+                let f = e.file_name().to_string_lossy().into_owned();
+                if (f.ends_with(".tmp") || f.ends_with(".deleting")) && e.path().is_dir() {
+                    std::fs::remove_dir_all(e.path())?;
+                }
+            }
+            std::fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        }
+        Ok(())
+    })?;
+    // ---- every rank writes its pieces ----
+    let written = agree(pg, "writing its rank file", || {
+        let names: Vec<String> = dp.model().named_parameters().into_iter().map(|(n, _)| n).collect();
+        let shapes = dp.param_shapes();
+        let state: AdamWState = opt.state_views(); // no copy: written from the moments themselves
+        let has_state = !state.m.is_empty();
+        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        let mut pieces: Vec<(String, Vec<i64>, PieceMeta)> = Vec::new();
+        let mut optimizer_steps = BTreeMap::new();
+        let file = format!("rank-{rank:05}.safetensors");
+        for (s, slot) in dp.slots().iter().enumerate() {
+            let master = slot.master.detach();
+            ensure!(master.is_contiguous(), "slot {s}: its master tensor is not contiguous");
+            let flat = |t: &Tensor| t.view([-1]);
+            let mut kinds = vec![("param", flat(&master))];
+            if has_state {
+                ensure!(
+                    s < state.m.len(),
+                    "the optimizer has {} slots, the strategy {}",
+                    state.m.len(),
+                    dp.slots().len()
+                );
+                kinds.push(("exp_avg", flat(&state.m[s])));
+                kinds.push(("exp_avg_sq", flat(&state.v[s])));
+            }
+            for (i, within, at) in &slot.pieces {
+                // Replicated: rank r writes the r-th of N balanced ranges of the piece.
+                let (within, at) = if slot.replicated {
+                    let own = plan::owned_range(within.end - within.start, rank, n);
+                    (within.start + own.start..within.start + own.end, at.start + own.start..at.start + own.end)
+                } else {
+                    (within.clone(), at.clone())
+                };
+                if has_state {
+                    optimizer_steps.insert(names[*i].clone(), state.steps[s]);
+                }
+                if within.is_empty() {
+                    continue;
+                }
+                for (kind, t) in &kinds {
+                    let key = format!("{kind}/{}/{}", names[*i], within.start);
+                    tensors.push((key.clone(), t.narrow(0, at.start, at.end - at.start)));
+                    let meta = PieceMeta {
+                        rank,
+                        file: file.clone(),
+                        key,
+                        lo: within.start,
+                        hi: within.end,
+                        sha256: String::new(),
+                    };
+                    pieces.push((format!("{kind}/{}", names[*i]), shapes[*i].clone(), meta));
+                }
+            }
+        }
+        let w = files::write(&tmp.join(&file), &tensors, opts.fail_after_bytes)?;
+        for (p, h) in pieces.iter_mut().zip(&w.tensor_sha256) {
+            p.2.sha256 = h.clone();
+        }
+        let index =
+            RankIndex { rank, file, meta: FileMeta { bytes: w.bytes, sha256: w.sha256 }, pieces, optimizer_steps };
+        write_synced(&tmp.join(format!("rank-{rank:05}.json")), &serde_json::to_vec(&index)?)?;
+        crate::launch::injected_failure("save", rank, step)?;
+        Ok(w.bytes)
+    })?;
+    // ---- rank 0 merges the indexes, writes the metadata last, commits ----
+    let path = dir.join(&name);
+    agree(pg, "committing the checkpoint", || {
+        if rank != 0 {
+            return Ok(());
+        }
+        let mut meta = Metadata {
+            format_version: FORMAT_VERSION,
+            step,
+            world_size: n,
+            tensors: BTreeMap::new(),
+            files: BTreeMap::new(),
+            optimizer_steps: BTreeMap::new(),
+            extra: extra.clone(),
+        };
+        for r in 0..n {
+            let p = tmp.join(format!("rank-{r:05}.json"));
+            let index: RankIndex =
+                serde_json::from_slice(&std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?)?;
+            meta.files.insert(index.file.clone(), index.meta);
+            for (t, shape, piece) in index.pieces {
+                meta.tensors.entry(t).or_insert_with(|| TensorMeta { shape, pieces: Vec::new() }).pieces.push(piece);
+            }
+            for (k, v) in index.optimizer_steps {
+                if let Some(old) = meta.optimizer_steps.insert(k.clone(), v) {
+                    ensure!(old == v, "{k}: ranks saved different AdamW step counts ({old} and {v})");
+                }
+            }
+        }
+        // Every tensor covered exactly once.
+        for (t, tm) in &meta.tensors {
+            let numel = tm.shape.iter().product::<i64>();
+            let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
+            plan::plan_reads(&ranges, 0..numel)
+                .map_err(|e| anyhow::anyhow!("{t}: the ranks' pieces do not tile it: {e}"))?;
+        }
+        write_synced(&tmp.join(METADATA), &serde_json::to_vec_pretty(&meta)?)?;
+        fsync_dir(&tmp)?;
+        if path.exists() {
+            remove_checkpoint(&path)?;
+        }
+        std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+        fsync_dir(dir)?;
+        let latest_tmp = dir.join(format!("{LATEST}.tmp"));
+        write_synced(&latest_tmp, name.as_bytes())?;
+        std::fs::rename(&latest_tmp, dir.join(LATEST))?;
+        Ok(())
+    })?;
+    // Committed. What follows cannot undo that: a failure is a warning, not the save's error.
+    if rank == 0 {
+        if let Err(e) = fsync_dir(dir) {
+            eprintln!("warning: {name} is committed, but fsync of {} failed: {e:#}", dir.display());
+        }
+        if let Some(k) = opts.keep_last {
+            // Older steps only: never this one, never a later step of another timeline.
+            let older: Vec<PathBuf> = committed(dir).into_iter().filter(|(s, _)| *s < step).map(|(_, p)| p).collect();
+            for old in older.iter().take((older.len() + 1).saturating_sub(k.max(1))) {
+                if let Err(e) = remove_checkpoint(old) {
+                    eprintln!("warning: keep_last: {e:#}");
+                }
+            }
+        }
+    }
+    Ok(Report { path, step, bytes: written, seconds: t0.elapsed().as_secs_f64(), extra })
+}

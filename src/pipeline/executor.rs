@@ -1,0 +1,230 @@
+//! The executor: one pipelined forward and backward of a batch over the pipeline's ranks
+//! ([`pipeline_step`]), activations and their gradients sent point to point between neighbours in
+//! the order a [`Schedule`](super::Schedule) gives, each rank running only its model stages.
+
+use super::{check, schedule, Op, Schedule, Slot};
+use crate::comm::{CommError, CommResult, ProcessGroup};
+use crate::model::{Batch, Model};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::time::Instant;
+use tch::{Kind, Tensor};
+
+/// The model stages (`0..num_stages`: for the GPT, the embeddings, each block, the head and loss)
+/// of each of `ranks` pipeline ranks: contiguous, as equal as they divide (the first ranks take
+/// one more). More ranks than stages is an error.
+pub fn partition(num_stages: usize, ranks: usize) -> Result<Vec<Range<usize>>, String> {
+    if ranks == 0 || ranks > num_stages {
+        return Err(format!("{ranks} pipeline ranks for a model of {num_stages} stages: each rank needs at least one"));
+    }
+    let (q, extra) = (num_stages / ranks, num_stages % ranks);
+    let mut out = Vec::new();
+    let mut lo = 0;
+    for r in 0..ranks {
+        let n = q + usize::from(r < extra);
+        out.push(lo..lo + n);
+        lo += n;
+    }
+    Ok(out)
+}
+
+/// What one pipelined step did on this rank.
+pub struct PipelineStep {
+    /// The batch's mean loss (over its micro-batches; the same on every rank).
+    pub loss: f64,
+    /// Gradients of the parameters this rank's stages use (by index in the model's
+    /// `named_parameters`), summed over micro-batches — tied parameters used on several ranks
+    /// (the GPT's embedding, also its output head) summed over those ranks too.
+    pub grads: BTreeMap<usize, Tensor>,
+    /// When each of this rank's operations computed (seconds from the step's start; from after
+    /// the receive it waited for to before its send), in schedule order: the pipeline diagram,
+    /// measured. `Slot::stage` is the pipeline rank.
+    pub slots: Vec<Slot>,
+    /// The most micro-batches whose activations this rank held at once.
+    pub peak_in_flight: usize,
+    /// The step's duration on this rank (seconds).
+    pub step_s: f64,
+}
+
+impl PipelineStep {
+    /// This rank's idle fraction of its step: 1 − busy / step time.
+    pub fn bubble(&self) -> f64 {
+        let busy: f64 = self.slots.iter().map(|s| s.end - s.start).sum();
+        1.0 - busy / self.step_s
+    }
+}
+
+/// One training step's forward and backward of `model` as a pipeline over `pg` (rank r runs the
+/// stages `partition(…)[r]`), `batch` cut into `micro_batches` equal micro-batches, in the order
+/// `kind` gives. Activations (rows, T, `hidden`) f32 go forward to the next rank and their
+/// gradients come back, point to point. Every rank builds the same `model` (the same seed) and
+/// computes only its stages. Bad shapes are errors on every rank before anything is computed.
+pub fn pipeline_step(
+    pg: &ProcessGroup,
+    model: &dyn Model,
+    kind: Schedule,
+    batch: &Batch,
+    micro_batches: usize,
+    hidden: i64,
+) -> CommResult<PipelineStep> {
+    let (p, r) = (pg.world_size(), pg.rank());
+    let bad = |m: String| CommError::InvalidArgument(format!("rank {r}: pipeline: {m}"));
+    let parts = partition(model.num_stages(), p).map_err(bad)?;
+    check(p, micro_batches).map_err(bad)?;
+    let (rows, t) = batch.x.size2().map_err(|e| bad(format!("batch (B, T): {e}")))?;
+    if rows % micro_batches as i64 != 0 {
+        return Err(bad(format!("{micro_batches} micro-batches do not divide a batch of {rows} rows")));
+    }
+    let mb = rows / micro_batches as i64;
+    // The GPT's loss is the mean over targets other than −1: micro-batch i's mean weighs
+    // (its targets) / (the batch's), so that the step's loss is the batch's mean. Every rank
+    // has the batch: no communication.
+    let counts: Vec<f64> = (0..micro_batches as i64)
+        .map(|i| batch.y.narrow(0, i * mb, mb).ne(-1).sum(Kind::Int64).int64_value(&[]) as f64)
+        .collect();
+    if let Some(i) = counts.iter().position(|&c| c == 0.0) {
+        return Err(bad(format!("micro-batch {i} has no target (all −1): its mean loss is undefined")));
+    }
+    let total: f64 = counts.iter().sum();
+    let weight: Vec<f64> = counts.iter().map(|c| c / total).collect();
+    let mine = parts[r].clone();
+    let last = r + 1 == p;
+    // Which parameters each rank's stages use.
+    let uses = model.stage_uses();
+    let used_by = |q: usize| -> Vec<usize> {
+        let mut v: Vec<usize> = parts[q].clone().flat_map(|s| uses[s].iter().copied()).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let my_params = used_by(r);
+    let params = model.parameters();
+    let mut grads: BTreeMap<usize, Tensor> = BTreeMap::new();
+    let mut saved: Vec<Option<(Option<Tensor>, Tensor)>> = (0..micro_batches).map(|_| None).collect();
+    let (mut held, mut peak, mut losses) = (0usize, 0usize, 0.0f64);
+    let act = |_: usize| Tensor::zeros([mb, t, hidden], (Kind::Float, batch.x.device()));
+    // A send may block until the receiver reads (a full socket or shared-memory ring; NCCL always
+    // waits for its peer). Two neighbours that both send first deadlock: in 1F1B's steady state
+    // rank r sends activation i while rank r + 1 sends it gradient j. So rank r holds an
+    // activation back until it has received the gradient that rank r + 1 sends before reading
+    // that activation (Megatron pairs them in one send_forward_recv_backward).
+    let next_plan = if last { Vec::new() } else { schedule(kind, p, micro_batches, r + 1) };
+    let pos = |op: Op| next_plan.iter().position(|&o| o == op);
+    let mut held_back: Vec<(usize, Tensor)> = Vec::new(); // (micro-batch, activation) not yet sent
+    pg.barrier()?;
+    let t0 = Instant::now();
+    let mut slots = Vec::new();
+    let plan = schedule(kind, p, micro_batches, r);
+    for (n, &op) in plan.iter().enumerate() {
+        // The slot is the compute: from after the receive that op waits for to before its send
+        // (waiting for a neighbour is the bubble, not work).
+        let (start, end);
+        match op {
+            Op::Forward(i) => {
+                let part = batch.rows(i as i64 * mb, (i as i64 + 1) * mb);
+                let x_leaf = if r == 0 {
+                    None
+                } else {
+                    let mut x = act(i);
+                    pg.recv(&mut x, r - 1)?; // (mb, T, hidden) from the previous stage
+                    Some(x.set_requires_grad(true))
+                };
+                start = t0.elapsed().as_secs_f64();
+                let mut x = x_leaf.as_ref().map_or_else(Tensor::new, |x| x.shallow_clone());
+                for s in mine.clone() {
+                    x = model.stage_forward(s, &x, &part);
+                }
+                end = t0.elapsed().as_secs_f64();
+                if last {
+                    losses += x.double_value(&[]) * weight[i];
+                } else {
+                    let want = [mb, t, hidden];
+                    if x.size() != want || x.kind() != Kind::Float {
+                        let e = format!(
+                            "stage output {:?} {:?}, but the pipeline sends (rows, T, hidden) = {want:?} f32",
+                            x.size(),
+                            x.kind()
+                        );
+                        pg.abort(&e);
+                        return Err(bad(e));
+                    }
+                    // Our next backward's gradient comes from rank r + 1; if it sends that before
+                    // reading this activation, receive it first (at that backward).
+                    let next_b = plan[n + 1..].iter().find(|o| matches!(o, Op::Backward(_))).copied();
+                    let theirs_first = next_b.is_some_and(|b| pos(b) < pos(Op::Forward(i)));
+                    if theirs_first {
+                        held_back.push((i, x.detach()));
+                    } else {
+                        pg.send(&x.detach(), r + 1)?;
+                    }
+                }
+                saved[i] = Some((x_leaf, x));
+                held += 1;
+                peak = peak.max(held);
+            }
+            Op::Backward(i) => {
+                let (x_leaf, out) =
+                    saved[i].take().ok_or_else(|| bad(format!("backward of micro-batch {i} before its forward")))?;
+                let g_out = if last {
+                    // The batch's mean over its targets: micro-batch i weighs its share of them.
+                    Tensor::from(weight[i]).to_kind(Kind::Float)
+                } else {
+                    let mut g = act(i);
+                    pg.recv(&mut g, r + 1)?; // dL/d(our output) from the next stage
+                                             // Now the activations held back for this gradient can go.
+                    for (_, a) in held_back.drain(..) {
+                        pg.send(&a, r + 1)?;
+                    }
+                    g
+                };
+                start = t0.elapsed().as_secs_f64();
+                let mut wrt: Vec<&Tensor> = my_params.iter().map(|&k| &params[k]).collect();
+                if let Some(x) = &x_leaf {
+                    wrt.push(x);
+                }
+                let surrogate = (&out * &g_out).sum(Kind::Float);
+                let mut g = Tensor::run_backward(&[&surrogate], &wrt, false, false);
+                end = t0.elapsed().as_secs_f64();
+                if x_leaf.is_some() {
+                    let dx = g.pop().expect("dL/dx");
+                    pg.send(&dx, r - 1)?;
+                }
+                for (&k, gk) in my_params.iter().zip(g) {
+                    match grads.get_mut(&k) {
+                        Some(acc) => drop(acc.g_add_(&gk)),
+                        None => drop(grads.insert(k, gk)),
+                    }
+                }
+                held -= 1;
+            }
+        }
+        slots.push(Slot { stage: r, op, start, end });
+    }
+    let step_s = t0.elapsed().as_secs_f64();
+    // Tied parameters used on several ranks: the lowest user collects the others' gradients,
+    // sums them and sends the sum back (the GPT's embedding: ranks 0 and p − 1).
+    for k in 0..params.len() {
+        let users: Vec<usize> = (0..p).filter(|&q| used_by(q).contains(&k)).collect();
+        if users.len() < 2 || !users.contains(&r) {
+            continue;
+        }
+        let g = grads.get_mut(&k).expect("a used parameter has a gradient");
+        if r == users[0] {
+            for &q in &users[1..] {
+                let mut other = Tensor::zeros_like(g);
+                pg.recv(&mut other, q)?;
+                let _ = g.g_add_(&other);
+            }
+            for &q in &users[1..] {
+                pg.send(g, q)?;
+            }
+        } else {
+            pg.send(g, users[0])?;
+            pg.recv(g, users[0])?;
+        }
+    }
+    // The loss from the last rank to everyone.
+    let mut l = Tensor::from_slice(&[if last { losses } else { 0.0 }]);
+    pg.broadcast(&mut l, p - 1)?;
+    Ok(PipelineStep { loss: l.double_value(&[0]), grads, slots, peak_in_flight: peak, step_s })
+}
