@@ -218,31 +218,37 @@ fn a_bad_step_is_refused_on_every_rank_and_changes_nothing() {
         assert!(errs[2].contains("positive norm"), "rank {rank}: {}", errs[2]);
         assert!(unchanged, "rank {rank}: a refused step must leave the weights as they were");
     }
-    // ZeRO-1 inside no_sync: the gradients were never reduced, a step now would be wrong.
-    let out = spawn(2, Backend::Local, |pg| {
-        let mut z = Zero::new(pg, Box::new(Gpt::new(GptConfig::tiny(), 1)?), Stage::One)?;
-        let b = DistributedSampler::new(16, 4, pg.rank(), 2, 0)?.batch(&corpus(), 0);
-        z.set_require_sync(false);
-        z.backward(&b, 1.0)?;
-        Ok(z.step(&mut Sgd, 0.5, None).unwrap_err().to_string())
-    })
-    .unwrap();
-    assert!(out.iter().all(|e| e.contains("no_sync")), "{out:?}");
-    // The same for both DDP variants; after a synchronised backward the step goes through.
-    for variant in [Variant::Naive, Variant::Bucketed] {
+    // A step after a no_sync backward (the gradients were never averaged): refused on every rank,
+    // and everything that backward accumulated is cleared — also ZeRO-1's full local gradients —
+    // so the next step, on batch 1 alone, is exactly a fresh wrapper's step on batch 1.
+    for layout in ["zero1", "ddp naive", "ddp bucketed"] {
         let out = spawn(2, Backend::Local, move |pg| {
-            let mut d = ddp::wrap(pg, Box::new(Gpt::new(GptConfig::tiny(), 1)?), variant, 16 * 1024)?;
-            let b = DistributedSampler::new(16, 4, pg.rank(), 2, 0)?.batch(&corpus(), 0);
+            let wrap = || -> anyhow::Result<Box<dyn DataParallel + '_>> {
+                let model = Box::new(Gpt::new(GptConfig::tiny(), 1)?);
+                Ok(match layout {
+                    "zero1" => Box::new(Zero::new(pg, model, Stage::One)?),
+                    "ddp naive" => ddp::wrap(pg, model, Variant::Naive, 16 * 1024)?,
+                    _ => ddp::wrap(pg, model, Variant::Bucketed, 16 * 1024)?,
+                })
+            };
+            let s = DistributedSampler::new(16, 4, pg.rank(), 2, 0)?;
+            let mut d = wrap()?;
             d.set_require_sync(false);
-            d.backward(&b, 1.0)?;
+            d.backward(&s.batch(&corpus(), 0), 1.0)?;
             let refused = d.step(&mut Sgd, 0.5, None).unwrap_err().to_string();
             d.set_require_sync(true);
-            d.backward(&b, 1.0)?;
+            d.backward(&s.batch(&corpus(), 1), 1.0)?;
             d.step(&mut Sgd, 0.5, None)?;
-            Ok(refused)
+            let mut fresh = wrap()?;
+            fresh.backward(&s.batch(&corpus(), 1), 1.0)?;
+            fresh.step(&mut Sgd, 0.5, None)?;
+            Ok((refused, flat(&d.full_parameters()?) == flat(&fresh.full_parameters()?)))
         })
         .unwrap();
-        assert!(out.iter().all(|e| e.contains("no_sync")), "{variant:?}: {out:?}");
+        for (rank, (refused, same)) in out.iter().enumerate() {
+            assert!(refused.contains("no_sync") && refused.contains("cleared"), "{layout} rank {rank}: {refused}");
+            assert!(same, "{layout} rank {rank}: the refused step's no_sync gradients reached the next step");
+        }
     }
 }
 

@@ -183,7 +183,9 @@ impl DataParallel for DdpBucketed<'_> {
         let DdpBucketed { pg, model, params, buckets, require_sync, unsynced, stats, checkpointing, peak_transient } =
             self;
         let sync = *require_sync;
-        *unsynced = !sync;
+        // Until this backward has finished (and averaged, if it syncs), a step would be wrong:
+        // a failure below leaves gradients partly accumulated or averaged.
+        *unsynced = true;
         let mut works: Vec<(usize, Work<Tensor>)> = Vec::new();
         let mut err = None;
         let t0 = Instant::now();
@@ -215,7 +217,7 @@ impl DataParallel for DdpBucketed<'_> {
         let loss = loss?;
         stats.compute_s += t0.elapsed().as_secs_f64();
         if !sync {
-            return Ok(loss);
+            return Ok(loss); // still unsynced: the gradients are local sums
         }
         // Wait for every started all-reduce even after an error, so no buffer is still in flight.
         let t1 = Instant::now();
@@ -244,6 +246,7 @@ impl DataParallel for DdpBucketed<'_> {
         }
         *peak_transient = (*peak_transient).max(in_flight);
         stats.syncs += 1;
+        *unsynced = false;
         Ok(loss)
     }
     fn unsynced(&self) -> bool {

@@ -50,8 +50,8 @@ pub trait DataParallel {
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64>;
     /// Turn gradient synchronisation off (`false`) or back on.
     fn set_require_sync(&mut self, on: bool);
-    /// Whether the last backward ran inside `no_sync`, leaving local gradients that were never
-    /// averaged (a step now would be wrong). Default: never (single process).
+    /// Whether the last backward ran inside `no_sync` or failed, leaving gradients that were never
+    /// (all) averaged (a step now would be wrong). Default: never (single process).
     fn unsynced(&self) -> bool {
         false
     }
@@ -62,7 +62,7 @@ pub trait DataParallel {
     fn stats(&self) -> DdpStats;
     /// The gradients this rank holds for the next step, after a synchronised backward: the
     /// parameters' `.grad` (replicated strategies, averaged, whole) or this rank's gradient shards
-    /// (ZeRO). A loss scaler unscales and checks these ([`GradScaler::unscale_and_check`](crate::precision::GradScaler::unscale_and_check)).
+    /// (ZeRO). A loss scaler unscales these ([`GradScaler::unscale`](crate::precision::GradScaler::unscale)).
     fn grads(&self) -> Vec<tch::Tensor> {
         crate::model::grads(&self.model().parameters())
     }
@@ -171,9 +171,10 @@ pub struct Slot {
     pub replicated: bool,
 }
 
-/// Why a step after a backward inside `no_sync` is refused.
-pub const NO_SYNC_REFUSAL: &str = "the last backward ran without gradient synchronisation (no_sync): its gradients \
-     were never averaged; finish with a synchronised backward before stepping";
+/// Why a step after a backward inside `no_sync` (or a failed one) is refused.
+pub const NO_SYNC_REFUSAL: &str = "the last backward ran without gradient synchronisation (no_sync), or failed: its \
+     gradients were never (all) averaged. The step is refused and the gradients cleared: run the step's micro-batches \
+     again, the last one with synchronisation on";
 
 /// Build the DDP wrapper `variant` around `model`: rank 0's parameters are broadcast to every
 /// rank first, as PyTorch DDP does at construction.

@@ -61,10 +61,12 @@ impl DataParallel for DdpNaive<'_> {
     }
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64> {
         let t0 = Instant::now();
+        // Until this backward has finished (and averaged, if it syncs), a step would be wrong:
+        // a failure below leaves gradients partly accumulated or averaged.
+        self.unsynced = true;
         let mut hooks = AccumulateGrads::new(&self.params, |_| Ok(()));
         let value = forward_backward(&*self.model, &self.params, batch, scale, self.checkpointing, &mut hooks)?;
         self.stats.compute_s += t0.elapsed().as_secs_f64();
-        self.unsynced = !self.require_sync;
         if self.require_sync {
             let t1 = Instant::now();
             let mut g = grads(&self.params);
@@ -74,6 +76,7 @@ impl DataParallel for DdpNaive<'_> {
             self.stats.exposed_s += dt;
             self.stats.syncs += 1;
         }
+        self.unsynced = !self.require_sync;
         Ok(value)
     }
     fn unsynced(&self) -> bool {

@@ -117,7 +117,8 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
         let loss = st.loss;
         anyhow::ensure!(
             loss.is_finite(),
-            "step {step}: the loss is {loss} (learning rate {lr} too high?); the last losses: {:.4?}. The step was applied",
+            "step {step}: the loss is {loss} (learning rate {lr} too high?); the last losses: {:.4?}. Its gradients were \
+             finite, so the step was applied",
             &losses[losses.len().saturating_sub(4)..]
         );
         losses.push(loss);

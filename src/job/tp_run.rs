@@ -88,7 +88,8 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext, t: usize) -> anyhow::Result<Run
         let dt = t0.elapsed().as_secs_f64();
         anyhow::ensure!(
             loss.is_finite(),
-            "step {step}: the loss is {loss} (learning rate {lr} too high?); the last losses: {:.4?}. The step was applied",
+            "step {step}: the loss is {loss} (learning rate {lr} too high?); the last losses: {:.4?}. Its gradients were \
+             finite, so the step was applied",
             &losses[losses.len().saturating_sub(4)..]
         );
         losses.push(loss);

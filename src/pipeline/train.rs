@@ -66,6 +66,8 @@ fn abort_both(pp: &ProcessGroup, dp: Option<&ProcessGroup>, e: CommError) -> Com
 /// over the data-parallel group; then [`optimizer_step`] over dp × pp — the global norm over the
 /// whole pipeline (each tied parameter counted once, on the first replica), agreed non-finite
 /// checks, clipping to `grad_clip`, `opt` on the parameters this rank holds (by index, ascending).
+/// The returned step's gradients are cleared (zero) after the update, as every layout's are; their
+/// bytes are what the rank held for the step.
 pub fn apply_step(
     pp: &ProcessGroup,
     dp: Option<&ProcessGroup>,

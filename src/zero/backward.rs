@@ -71,10 +71,7 @@ impl Zero<'_> {
             self.z.stats.syncs += 1;
             self.z.step_blocked = None;
         } else {
-            self.z.step_blocked = Some(
-                "the last backward ran without gradient synchronisation (no_sync): its gradients were never \
-                 reduced; finish with a synchronised backward before stepping",
-            );
+            self.z.step_blocked = Some(crate::ddp::NO_SYNC_REFUSAL);
         }
         Ok(loss)
     }

@@ -161,7 +161,17 @@ impl DataParallel for Zero<'_> {
             z.units.iter().map(|u| Decay::Ranges(u.decay.clone())).collect(),
             true,
         );
-        let stepped = optim::optimizer_step(&[z.pg], opt, &held, lr, grad_clip, non_finite, refusal)?;
+        let stepped = optim::optimizer_step(&[z.pg], opt, &held, lr, grad_clip, non_finite, refusal);
+        if matches!(stepped, Err(_) | Ok(Stepped { skipped: true, .. })) {
+            // Refused or skipped: clear what backward accumulated besides the shards too (ZeRO-1's
+            // full gradients, kept across no_sync micro-batches), so nothing of it reaches a later step.
+            for u in &mut z.units {
+                if let Some(g) = u.grad_full.as_mut() {
+                    let _ = g.zero_();
+                }
+            }
+        }
+        let stepped = stepped?;
         if !stepped.skipped {
             z.gather_params()?;
         }
