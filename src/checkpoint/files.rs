@@ -79,7 +79,9 @@ pub fn write(path: &Path, tensors: &[(String, Tensor)], fail_after_bytes: Option
     put(&mut w, &head, &mut whole)?;
     let mut tensor_sha256 = Vec::with_capacity(tensors.len());
     for (key, t) in tensors {
-        let t = t.contiguous();
+        // A piece on a GPU is staged through host memory, one piece at a time.
+        let t =
+            if t.device() == tch::Device::Cpu { t.contiguous() } else { t.to_device(tch::Device::Cpu).contiguous() };
         let view = crate::comm::dtype::TensorBytes::of(&t, key).map_err(anyhow::Error::msg)?;
         tensor_sha256.push(sha256_hex(view.bytes()));
         put(&mut w, view.bytes(), &mut whole)?;
