@@ -7,8 +7,9 @@
 //! `growth_interval` clean steps S doubles, probing for the largest scale that does not
 //! overflow. These are PyTorch's `torch.amp.GradScaler` rules and defaults.
 //!
-//! In data-parallel training every rank must take the same decision: the overflow flag is
-//! all-reduced (max) before anyone steps, so either every rank skips or none does.
+//! In data-parallel training every rank must take the same decision: each rank's overflow flag
+//! travels in the optimizer step's all-reduce ([`crate::optim::optimizer_step`]) before anyone
+//! steps, so either every rank skips or none does.
 //! bf16 has fp32's 8 exponent bits and needs no loss scaling.
 
 use crate::comm::{CommResult, ProcessGroup, ReduceOp};

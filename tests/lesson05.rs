@@ -71,7 +71,7 @@ shardlab::graders! {
                 assert!(worst < 1e-5, "cap {cap} rank {rank}: DDP with your buckets differs from one process by {worst}");
                 // Per step: one all-reduce per bucket, and the optimizer step's one small all-reduce
                 // that agrees on the global norm and on non-finite gradients (src/optim/step.rs).
-                assert_eq!(*reduces, 3 * (buckets + 1), "cap {cap} rank {rank}: one all-reduce per bucket per step");
+                assert_eq!(*reduces, 3 * (buckets + 1), "cap {cap} rank {rank}: one all-reduce per bucket per step, and the step's one");
             }
         }
     }

@@ -170,8 +170,10 @@ fn main() -> anyhow::Result<()> {
     let c = cfg();
     let full_bytes = shardlab::memory::held_bytes(Gpt::new(c, 9)?.parameters().iter());
     let (b, t_len) = (ROWS as u64, c.block_size as u64);
-    // Payload all-reduced per step: (4L + 2)·B·T·C + 3·B·T floats, + 1 f64 for the global norm.
-    let payload = ((4 * c.n_layer as u64 + 2) * b * t_len * c.n_embd as u64 + 3 * b * t_len) * 4 + 8;
+    // Payload all-reduced per step: (4L + 2)·B·T·C + 3·B·T floats, whatever t is; the optimizer
+    // step adds its own 1 + 2t f64 (the norm, a refusal and a non-finite flag per rank).
+    let payload = ((4 * c.n_layer as u64 + 2) * b * t_len * c.n_embd as u64 + 3 * b * t_len) * 4;
+    let step_bytes = |t: usize| 8 * (1 + 2 * t as u64);
     if !a.json {
         println!(
             "A GPT ({} layers, {} heads, width {}, vocabulary {}; {:.2}M parameters), {} rows × {} tokens, AdamW lr {LR}, clip 1.0,",
@@ -193,13 +195,13 @@ fn main() -> anyhow::Result<()> {
         let worst = r.losses.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         anyhow::ensure!(worst < 1e-4, "t={}: the losses differ from one process's by {worst}", r.t);
         // A ring all-reduce sends 2(t−1)/t of the payload per rank.
-        let ring = 2.0 * (r.t as f64 - 1.0) / r.t as f64 * payload as f64;
+        let ring = 2.0 * (r.t as f64 - 1.0) / r.t as f64 * (payload + step_bytes(r.t)) as f64;
         if a.json {
             println!(
                 "{}",
                 json!({"section": "train", "t": r.t, "losses": r.losses, "reference": reference, "max_loss_diff": worst,
                        "step_ms": r.step_ms, "all_reduces": r.all_reduces, "bytes_sent": r.bytes_sent, "ring_formula_bytes": ring,
-                       "payload_bytes": payload, "param_bytes": r.param_bytes, "adam_bytes": r.adam_bytes, "full_param_bytes": full_bytes})
+                       "payload_bytes": payload + step_bytes(r.t), "param_bytes": r.param_bytes, "adam_bytes": r.adam_bytes, "full_param_bytes": full_bytes})
             );
         } else {
             println!(

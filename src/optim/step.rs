@@ -133,9 +133,7 @@ pub fn optimizer_step(
     v[1 + world + me] = !all_sq.is_finite() as u8 as f64;
     let mut agreed = Tensor::from_slice(&v); // on the host (NCCL stages it through the GPU)
     for g in dims.iter().rev() {
-        if g.world_size() > 1 {
-            g.all_reduce(&mut agreed, ReduceOp::Sum)?;
-        }
+        g.all_reduce(&mut agreed, ReduceOp::Sum)?; // a group of one sends nothing
     }
     let v = Vec::<f64>::try_from(&agreed).expect("f64 vector");
     let ranks = |from: usize| -> Vec<usize> { (0..world).filter(|r| v[from + r] != 0.0).collect() };
