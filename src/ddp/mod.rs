@@ -91,12 +91,6 @@ pub trait DataParallel {
     fn masters_loaded(&mut self) -> CommResult<()> {
         Ok(())
     }
-    /// Zero the gradients without stepping (a skipped step).
-    fn zero_grads(&mut self) {
-        for g in self.grads() {
-            let _ = g.detach().zero_();
-        }
-    }
     /// Copies of the full parameters, in `named_parameters` order, on every rank (a collective
     /// for sharded strategies: call it on all ranks).
     fn full_parameters(&self) -> CommResult<Vec<tch::Tensor>> {

@@ -115,12 +115,6 @@ impl DataParallel for Zero<'_> {
         self.z.units.iter().map(|u| u.grad_shard.shallow_clone()).collect()
     }
 
-    fn zero_grads(&mut self) {
-        for u in &mut self.z.units {
-            let _ = u.grad_shard.zero_();
-        }
-    }
-
     fn full_parameters(&self) -> CommResult<Vec<Tensor>> {
         let mut out: Vec<Option<Tensor>> = (0..self.z.params.len()).map(|_| None).collect();
         for u in &self.z.units {
