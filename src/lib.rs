@@ -13,6 +13,7 @@ pub mod comm;
 pub mod data;
 pub mod ddp;
 pub mod device;
+pub mod engine;
 pub mod flops;
 pub mod grading;
 pub mod job;

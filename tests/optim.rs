@@ -286,7 +286,6 @@ fn check_nan_outcome(layout: &str, out: &[NanOut], poisoned: &str) {
 /// optimizer state changes, the gradients are cleared, and the next step goes through.
 #[test]
 fn a_nan_in_one_ranks_gradient_stops_every_rank_under_every_layout() {
-    use shardlab::pipeline::{pipeline_step, train as pp_train, PipelineConfig, Schedule};
     for layout in ["ddp-naive", "ddp-bucketed", "zero1", "zero2", "zero3"] {
         let out = spawn(2, Backend::Local, move |pg| {
             let model = Box::new(Gpt::new(GptConfig::tiny(), 1)?);
@@ -315,58 +314,58 @@ fn a_nan_in_one_ranks_gradient_stops_every_rank_under_every_layout() {
         .unwrap();
         check_nan_outcome(layout, &out, "[1]");
     }
-    // Tensor parallel, alone and on a dp 2 × tp 2 mesh: the NaN in the last rank's copy of the
-    // final LayerNorm's bias (replicated over tp; on the mesh, also averaged into dp 0's copy).
-    for dp in [1, 2] {
-        let out = spawn(2 * dp, Backend::Local, move |pg| {
-            let mesh = DeviceMesh::new(pg, &[dp, 2], &["dp", "tp"])?;
-            let (tp, dpg) = (mesh.group("tp"), (dp > 1).then(|| mesh.group("dp")));
-            let mut m =
-                shardlab::tp::TpGpt::from_gpt(&Gpt::new(GptConfig::tiny(), 1)?, tp).map_err(anyhow::Error::msg)?;
-            let b = DistributedSampler::new(16, 4, mesh.coord("dp"), dp, 0)?.batch(&corpus(), 0);
+    // Tensor and pipeline parallel, alone and with dp 2 (DDP or ZeRO on the data dimension), on
+    // the engine: the NaN in the last rank's copy of a gradient it does not count — tp: the final
+    // LayerNorm's bias (replicated over tp); pp: the tied embedding's second holder (counted on
+    // the first stage). With dp, the mesh is pp × dp × tp: the last rank is dp 1.
+    use shardlab::engine::{parallelize, DataDim, ParallelDims, Plan};
+    use shardlab::pipeline::{PipelineConfig, Schedule};
+    let pc = PipelineConfig { stages: 2, micro_batches: 2, schedule: Schedule::OneFOneB };
+    for (name, tp, pp, dp, data) in [
+        ("tp 2", 2, 1, 1, DataDim::Replicate),
+        ("ddp 2 × tp 2", 2, 1, 2, DataDim::Replicate),
+        ("pp 2", 1, 2, 1, DataDim::Replicate),
+        ("ddp 2 × pp 2", 1, 2, 2, DataDim::Replicate),
+        ("zero3 2 × tp 2", 2, 1, 2, DataDim::Zero(Stage::Three)),
+        ("zero1 2 × pp 2", 1, 2, 2, DataDim::Zero(Stage::One)),
+    ] {
+        let out = spawn(tp * pp * dp, Backend::Local, move |pg| {
+            let plan = Plan { dims: ParallelDims { pp, dp, tp }, data, sequence_parallel: false, pipeline: pc };
+            let cfg = GptConfig::tiny();
+            let mut e = parallelize(pg, &plan, &cfg, &|keep| Gpt::new_only(cfg, 1, keep))?;
+            let b = DistributedSampler::new(16, 4, e.mesh().coord("dp"), dp, 0)?.batch(&corpus(), 0);
             let mut opt = AdamW::new(AdamWConfig::default());
-            let before = flat(&m.params());
-            let step = m.forward_backward(tp, &b)?;
+            let before = flat(&e.masters());
+            let step = e.forward_backward(&b)?;
             let grads: Vec<Tensor> = step.grads.iter().map(|g| g.shallow_clone()).collect();
             if pg.rank() + 1 == pg.world_size() {
-                poison(grads.last().unwrap());
+                // tp: ln_f's bias (the last parameter); pp: the last stage's wte (its first).
+                poison(if pp > 1 { &grads[0] } else { grads.last().unwrap() });
             }
-            let err = m.apply_step(tp, dpg, step, &mut opt, 1e-3, Some(1.0)).unwrap_err().to_string();
-            let unchanged = flat(&m.params()) == before && opt.state_bytes() == 0;
-            let (_, norm) = m.train_step(tp, dpg, &mut opt, 1e-3, Some(1.0), &b)?;
-            let moved = flat(&m.params()) != before;
-            Ok((err, cleared(&grads), unchanged, norm, moved))
-        })
-        .unwrap();
-        check_nan_outcome(&format!("dp {dp} × tp 2"), &out, if dp == 1 { "[1]" } else { "[1, 3]" });
-    }
-    // Pipeline parallel, alone and on a dp 2 × pp 2 mesh: the NaN in the last stage's copy of the
-    // tied embedding (counted on the first stage).
-    for dp in [1, 2] {
-        let out = spawn(2 * dp, Backend::Local, move |pg| {
-            let mesh = DeviceMesh::new(pg, &[dp, 2], &["dp", "pp"])?;
-            let (pp, dpg) = (mesh.group("pp"), (dp > 1).then(|| mesh.group("dp")));
-            let cfg = GptConfig::tiny();
-            let gpt = Gpt::new(cfg, 1)?;
-            let pc = PipelineConfig { stages: 2, micro_batches: 2, schedule: Schedule::OneFOneB };
-            let b = DistributedSampler::new(16, 4, mesh.coord("dp"), dp, 0)?.batch(&corpus(), 0);
-            let mut opt = AdamW::new(AdamWConfig::default());
-            let before = flat(&gpt.parameters());
-            let step = pipeline_step(pp, &gpt, pc.schedule, &b, pc.micro_batches, cfg.n_embd)?;
-            let grads: Vec<Tensor> = step.grads.values().map(|g| g.shallow_clone()).collect();
-            if pg.rank() + 1 == pg.world_size() {
-                poison(&step.grads[&0]);
-            }
-            let err = match pp_train::apply_step(pp, dpg, &gpt, step, &mut opt, 1e-3, Some(1.0)) {
+            let err = match e.apply(step, &mut opt, 1e-3, Some(1.0)) {
                 Ok(_) => "the step was taken".to_string(),
                 Err(e) => e.to_string(),
             };
-            let unchanged = flat(&gpt.parameters()) == before && opt.state_bytes() == 0;
-            let (_, norm) = pp_train::train_step(pp, dpg, &gpt, &pc, &mut opt, 1e-3, Some(1.0), &b)?;
-            let moved = flat(&gpt.parameters()) != before;
-            Ok((err, cleared(&grads), unchanged, norm, moved))
+            let unchanged = flat(&e.masters()) == before && opt.state_bytes() == 0;
+            // DDP clears the step's gradients; ZeRO the shards it reduced them into (and ZeRO-1's
+            // flat gradients), the step's own being gone.
+            let was_cleared = cleared(&e.kept_grads()) && (data != DataDim::Replicate || cleared(&grads));
+            let norm = e.train_step(&b, &mut opt, 1e-3, Some(1.0))?.norm;
+            let moved = flat(&e.masters()) != before;
+            Ok((err, was_cleared, unchanged, norm, moved))
         })
         .unwrap();
-        check_nan_outcome(&format!("dp {dp} × pp 2"), &out, if dp == 1 { "[1]" } else { "[1, 3]" });
+        // The ranks holding the NaN after the data dimension: DDP averages it into the last rank's
+        // dp partner (tp × dp: rank 1; pp × dp: rank 2, the same stage); ZeRO reduce-scatters it
+        // to the owner of its shard — ln_f's bias ends the last rank's uncounted unit (dp 1: rank
+        // 3), the tied wte's first element starts it (dp 0 of the last stage: rank 2).
+        let want = match (tp, dp, data) {
+            (_, 1, _) => "[1]",
+            (2, _, DataDim::Replicate) => "[1, 3]",
+            (_, _, DataDim::Replicate) => "[2, 3]",
+            (2, _, _) => "[3]",
+            _ => "[2]",
+        };
+        check_nan_outcome(name, &out, want);
     }
 }

@@ -21,10 +21,11 @@ use anyhow::Context;
 use clap::Parser;
 use serde_json::json;
 use shardlab::data::synthetic_corpus;
+use shardlab::engine::{parallelize, DataDim, ParallelDims, Plan};
 use shardlab::job::{self, GptJob, OneRun};
 use shardlab::optim::{clip_coef, global_norm, Decay};
 use shardlab::prelude::*;
-use shardlab::tp::{vocab_parallel_cross_entropy, TpGpt};
+use shardlab::tp::vocab_parallel_cross_entropy;
 use std::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -79,17 +80,20 @@ struct Vocab {
 }
 
 fn train(pg: &ProcessGroup, steps: u64) -> anyhow::Result<Run> {
-    let mut m = TpGpt::from_gpt(&Gpt::new(cfg(), 9)?, pg).map_err(anyhow::Error::msg)?;
+    // The whole group is one tensor-parallel replica: the engine's layout 1 × 1 × t.
+    let dims = ParallelDims { pp: 1, dp: 1, tp: pg.world_size() };
+    let plan = Plan { dims, data: DataDim::Replicate, sequence_parallel: false, pipeline: Default::default() };
+    let mut m = parallelize(pg, &plan, &cfg(), &|_| Gpt::new(cfg(), 9))?;
     let mut opt = AdamW::new(AdamWConfig { lr: LR, ..Default::default() });
     let (mut losses, mut times, mut comm) = (vec![], vec![], None);
     for step in 0..steps {
         let b = batch(step);
         pg.barrier()?;
-        let (t0, before) = (Instant::now(), pg.stats());
-        let (loss, _norm) = m.train_step(pg, None, &mut opt, LR, Some(1.0), &b)?;
+        let (t0, before) = (Instant::now(), m.mesh().group("tp").stats());
+        let out = m.train_step(&b, &mut opt, LR, Some(1.0))?;
         times.push(t0.elapsed().as_secs_f64());
-        comm.get_or_insert(pg.stats().since(&before));
-        losses.push(loss);
+        comm.get_or_insert(m.mesh().group("tp").stats().since(&before));
+        losses.push(out.loss);
     }
     let c = comm.unwrap_or_default();
     let later = &times[1.min(times.len() - 1)..];
@@ -99,7 +103,7 @@ fn train(pg: &ProcessGroup, steps: u64) -> anyhow::Result<Run> {
         step_ms: later.iter().sum::<f64>() / later.len() as f64 * 1e3,
         all_reduces: c.calls(OpKind::AllReduce),
         bytes_sent: c.bytes_sent,
-        param_bytes: m.param_bytes(),
+        param_bytes: m.memory(&opt).params,
         adam_bytes: opt.state_bytes(),
     })
 }

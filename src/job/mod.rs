@@ -1,7 +1,9 @@
 //! A GPT training job: what to train ([`GptJob`]: data, model, optimizer, steps, checkpoints) and
 //! what a run reports ([`RunSummary`]). Split by concern:
 //!
-//! * [`step_loop`] — the per-worker loop every `train` run goes through ([`GptJob::run`]);
+//! * [`step_loop`] — the per-worker loop every `train` run goes through ([`GptJob::run`]), and
+//!   [`mesh_run`] — the loop of a layout with tensor or pipeline parallelism, on the
+//!   [engine](crate::engine);
 //! * [`elastic`] — the supervisor that restarts a failed job from its checkpoints ([`GptJob::fit_elastic`]);
 //! * [`isolated`] — one run described completely and run in a fresh process ([`OneRun`],
 //!   [`run_isolated`]), as the lesson bins' measurements and benchmarks do;
@@ -9,10 +11,9 @@
 
 pub mod elastic;
 pub mod isolated;
-pub mod pipeline_run;
+pub mod mesh_run;
 pub mod pytorch;
 pub mod step_loop;
-pub mod tp_run;
 
 pub use elastic::{Attempt, Elastic};
 pub use isolated::{run_isolated, run_isolated_with_env, run_one_if_asked, scaling, OneRun, TempCorpus};
@@ -104,6 +105,10 @@ pub struct RunSummary {
     pub final_loss: f64,
     /// Global loss of every step.
     pub losses: Vec<f64>,
+    /// The global gradient norm of every step, before clipping (infinite on a step fp16's loss
+    /// scaler skipped).
+    #[serde(default)]
+    pub grad_norms: Vec<f64>,
     /// Communication seconds (per rank, all steps), the part not hidden behind compute, and the
     /// hidden fraction.
     pub comm_s: f64,

@@ -23,11 +23,8 @@ impl GptJob {
             !ctx.scaling().sequence_parallel || ctx.scaling().tensor_parallel > 1,
             "sequence parallelism splits over the tensor-parallel group: it needs tensor_parallel > 1 (--tp)"
         );
-        if ctx.scaling().pipeline.stages != 1 {
-            return super::pipeline_run::run(self, ctx);
-        }
-        if ctx.scaling().tensor_parallel != 1 {
-            return super::tp_run::run(self, ctx, ctx.scaling().tensor_parallel);
+        if ctx.scaling().pipeline.stages != 1 || ctx.scaling().tensor_parallel != 1 {
+            return super::mesh_run::run(self, ctx);
         }
         let data = self.data.load()?;
         let model = self.build_model()?;
@@ -57,7 +54,7 @@ impl GptJob {
         }
         let sampler = DistributedSampler::new(self.model.block_size as usize, self.batch_size * n, rank, n, self.seed)?;
         let tokens_per_step = (self.batch_size * n) as f64 * self.model.block_size as f64;
-        let (mut step_s, mut losses) = (Vec::new(), Vec::new());
+        let (mut step_s, mut losses, mut norms) = (Vec::new(), Vec::new(), Vec::new());
         let sent0 = ctx.group().stats().bytes_sent;
         // Peak RSS from here on: the training steps, not the construction of the full model.
         crate::bench::reset_peak_rss();
@@ -101,6 +98,7 @@ impl GptJob {
                 &losses[losses.len().saturating_sub(4)..]
             );
             losses.push(loss);
+            norms.push(out.grad_norm);
             if step >= warmup {
                 step_s.push(dt);
             }
@@ -149,6 +147,7 @@ impl GptJob {
             tokens_per_s: tokens_per_step / median,
             final_loss: *losses.last().unwrap_or(&f64::NAN),
             losses,
+            grad_norms: norms,
             comm_s: st.comm_s,
             exposed_comm_s: st.exposed_s,
             hidden_comm_fraction: st.hidden_fraction(),

@@ -28,7 +28,6 @@
 use super::{layer_norm, vocab_parallel_cross_entropy, TpBlock};
 use crate::comm::{CommError, CommResult, CommStats, ProcessGroup, ReduceOp};
 use crate::model::{Batch, Gpt, GptConfig, Model};
-use crate::optim::{optimizer_step, Decay, Held, NonFinite, Optimizer};
 use crate::precision::Precision;
 use tch::{Kind, Tensor};
 
@@ -42,8 +41,6 @@ pub struct TpGpt {
     pub blocks: Vec<TpBlock>,
     /// ln_f weight and bias, replicated.
     pub ln_f: [Tensor; 2],
-    /// Bytes of the gradients of the last [`train_step`](Self::train_step), measured from them.
-    pub last_grad_bytes: u64,
     /// Sequence parallelism (see [`with_sequence_parallel`](Self::with_sequence_parallel)).
     sequence_parallel: bool,
 }
@@ -90,7 +87,6 @@ impl TpGpt {
             wpe: rep(&p[1]),
             blocks,
             ln_f: [rep(&p[n - 2]), rep(&p[n - 1])],
-            last_grad_bytes: 0,
             sequence_parallel: false,
         })
     }
@@ -214,69 +210,6 @@ impl TpGpt {
         Ok(TpStep { loss, grads, comm: pg.stats().since(&before) })
     }
 
-    /// One optimizer step on a batch: [`forward_backward`](Self::forward_backward) over `tp`, then
-    /// [`apply_step`](Self::apply_step). Returns the loss and the norm before clipping. An error on
-    /// one rank aborts both groups, so that no rank waits in a collective for it and no rank steps
-    /// alone; a step every rank refused together (a non-finite gradient anywhere) leaves them usable.
-    pub fn train_step(
-        &mut self,
-        tp: &ProcessGroup,
-        dp: Option<&ProcessGroup>,
-        opt: &mut dyn Optimizer,
-        lr: f64,
-        grad_clip: Option<f64>,
-        batch: &Batch,
-    ) -> CommResult<(f64, f64)> {
-        let step = self.forward_backward(tp, batch).map_err(|e| abort_both(tp, dp, e))?;
-        self.apply_step(tp, dp, step, opt, lr, grad_clip)
-    }
-
-    /// The optimizer step after [`forward_backward`](Self::forward_backward): with `dp`, the
-    /// gradients (and the loss) averaged over the data-parallel group, each dp rank holding its
-    /// own rows of the global batch (dp × tp on a 2-D mesh); then [`optimizer_step`] over dp × tp
-    /// — the global norm (split slices from every tensor rank, replicated tensors once), agreed
-    /// non-finite checks, clipping to `grad_clip`, `opt` on this rank's slices (AdamW is
-    /// elementwise, so updating slices is updating the whole). Returns the loss and the norm
-    /// before clipping. With `dp`, the loss and gradients are the mean of the replicas' means, as
-    /// DDP's: the global batch's mean when every replica's rows hold as many targets.
-    pub fn apply_step(
-        &mut self,
-        tp: &ProcessGroup,
-        dp: Option<&ProcessGroup>,
-        step: TpStep,
-        opt: &mut dyn Optimizer,
-        lr: f64,
-        grad_clip: Option<f64>,
-    ) -> CommResult<(f64, f64)> {
-        let fail = |e: CommError| abort_both(tp, dp, e);
-        let TpStep { mut loss, mut grads, .. } = step;
-        if let Some(dp) = dp {
-            let n = dp.world_size() as f64;
-            // grads: each of this rank's slices, averaged over dp (bucketing would group them).
-            for g in &mut grads {
-                dp.all_reduce(g, ReduceOp::Sum).map_err(fail)?;
-                let _ = g.g_div_scalar_(n);
-            }
-            let mut l = Tensor::from_slice(&[loss]);
-            dp.all_reduce(&mut l, ReduceOp::Sum).map_err(fail)?;
-            loss = l.double_value(&[0]) / n;
-        }
-        self.last_grad_bytes = crate::memory::held_bytes(grads.iter());
-        // Counted in the global norm: a split slice on every tensor rank, a replicated tensor on
-        // tensor rank 0; on the first replica (the dp-averaged gradients are the same on all).
-        let first_replica = dp.is_none_or(|d| d.rank() == 0);
-        let counted = (0..grads.len()).map(|i| first_replica && (self.is_split(i) || tp.rank() == 0)).collect();
-        let params = self.params();
-        let decay: Vec<Decay> = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
-        let held = Held { params, grads, decay, counted };
-        let dims: Vec<&ProcessGroup> = dp.into_iter().chain([tp]).collect();
-        // A refusal every rank agreed on (CommError::Step) leaves the groups usable; anything else aborts them.
-        let norm = optimizer_step(&dims, opt, &held, lr, grad_clip, NonFinite::Fail, None)
-            .map_err(|e| if matches!(e, CommError::Step(_)) { e } else { fail(e) })?
-            .norm;
-        Ok((loss, norm))
-    }
-
     /// The full (unsplit) tensors of `sliced` (parameters or gradients, sliced like
     /// [`params`](Self::params)), gathered from every rank, in the GPT's order.
     pub fn unshard(&self, pg: &ProcessGroup, sliced: &[Tensor]) -> CommResult<Vec<Tensor>> {
@@ -293,14 +226,4 @@ impl TpGpt {
     pub fn param_bytes(&self) -> u64 {
         crate::memory::held_bytes(self.params().iter())
     }
-}
-
-/// Abort `tp` and `dp` with `e` (so no rank waits for this one), returned as this rank's error.
-fn abort_both(tp: &ProcessGroup, dp: Option<&ProcessGroup>, e: CommError) -> CommError {
-    let m = format!("rank {}: TpGpt train step: {e}", tp.rank());
-    tp.abort(&m);
-    if let Some(dp) = dp {
-        dp.abort(&m);
-    }
-    CommError::InvalidArgument(m)
 }

@@ -49,7 +49,8 @@
 //! The files: this one (the types, the units' layout, the builder), `gather.rs` (units in and out
 //! of memory), `backward.rs` (the stage hooks and the gradient reductions), `data_parallel.rs` (the
 //! [`DataParallel`](crate::ddp::DataParallel) strategy: memory, slots, the optimizer step), `flat.rs`
-//! (one unit's flat, padded, sharded buffer).
+//! (one unit's flat, padded, sharded buffer), `shards.rs` ([`ShardedTensors`]: the same sharding
+//! of a tensor- or pipeline-parallel piece's parameters, for the engine).
 //!
 //! [`round_trip`] has the same round trip driven by hand over a [`round_trip::UnitStack`], with the
 //! gathered units counted (lesson 06's exercise 4).
@@ -59,6 +60,8 @@ mod data_parallel;
 pub mod flat;
 mod gather;
 pub mod round_trip;
+pub mod shards;
+pub use shards::ShardedTensors;
 
 use crate::comm::{CommError, CommResult, ProcessGroup, Work};
 pub use crate::memory::MemoryStats;

@@ -1,0 +1,138 @@
+//! A *piece*: what one rank holds of the model after the model-parallel transformations, and how
+//! it runs its forward and backward — a tensor-parallel GPT ([`TpGpt`]) or a pipeline rank's
+//! stages ([`PipelinePiece`]). The engine wraps a piece for the data dimension and steps it.
+
+use crate::comm::{CommError, CommResult, DeviceMesh};
+use crate::model::{Batch, Gpt, Model};
+use crate::pipeline::train::params_of_ranks;
+use crate::pipeline::{pipeline_step, PipelineConfig};
+use crate::tp::TpGpt;
+use tch::{Kind, Tensor};
+
+/// What one forward and backward of a piece gives.
+pub struct PieceStep {
+    /// This replica's mean loss (the same on every rank of the piece).
+    pub loss: f64,
+    /// One gradient per parameter, in [`Piece::params`] order.
+    pub grads: Vec<Tensor>,
+    /// Under pipeline parallelism: this rank's idle fraction of the step and the most
+    /// micro-batches whose activations it held at once.
+    pub pipeline: Option<(f64, usize)>,
+}
+
+/// One rank's part of the model over the model-parallel dimensions of a mesh (`tp`, `pp`).
+pub trait Piece {
+    /// The parameters this rank holds (handles, not copies), in a fixed order.
+    fn params(&self) -> Vec<Tensor>;
+    /// Whether each parameter's gradient counts in the global norm on this rank, over the
+    /// model-parallel dimensions (a split slice on every rank that holds a slice, a replicated or
+    /// tied tensor on one of its holders).
+    fn counted(&self, mesh: &DeviceMesh) -> Vec<bool>;
+    /// Forward and backward of this replica's `batch` (the same on every rank of the piece).
+    fn forward_backward(&mut self, mesh: &DeviceMesh, batch: &Batch) -> CommResult<PieceStep>;
+    /// The whole model's parameters (the GPT's order) on the ranks of the piece that end up with
+    /// them (every tensor-parallel rank; pipeline rank 0), `None` on the others: a collective over
+    /// the piece's ranks of one replica.
+    fn gather_whole(&self, mesh: &DeviceMesh) -> CommResult<Option<Vec<Tensor>>>;
+}
+
+impl Piece for TpGpt {
+    fn params(&self) -> Vec<Tensor> {
+        TpGpt::params(self)
+    }
+    fn counted(&self, mesh: &DeviceMesh) -> Vec<bool> {
+        let first = mesh.coord("tp") == 0;
+        (0..self.params().len()).map(|i| self.is_split(i) || first).collect()
+    }
+    fn forward_backward(&mut self, mesh: &DeviceMesh, batch: &Batch) -> CommResult<PieceStep> {
+        let s = TpGpt::forward_backward(self, mesh.group("tp"), batch)?;
+        Ok(PieceStep { loss: s.loss, grads: s.grads, pipeline: None })
+    }
+    fn gather_whole(&self, mesh: &DeviceMesh) -> CommResult<Option<Vec<Tensor>>> {
+        Ok(Some(self.unshard(mesh.group("tp"), &self.params())?))
+    }
+}
+
+/// A pipeline rank's stages of the GPT: the model with only this rank's parameters materialised
+/// ([`Gpt::new_only`]), run by [`pipeline_step`] in `cfg`'s schedule.
+pub struct PipelinePiece {
+    pub gpt: Gpt,
+    pub cfg: PipelineConfig,
+    /// The parameters this rank holds, by index in the GPT's `named_parameters` (ascending).
+    mine: Vec<usize>,
+    /// Which parameters each pipeline rank holds.
+    owned: Vec<Vec<usize>>,
+}
+
+impl PipelinePiece {
+    /// Pipeline rank `rank`'s piece of `gpt` (which holds at least that rank's parameters).
+    pub fn new(gpt: Gpt, cfg: PipelineConfig, rank: usize) -> Result<PipelinePiece, String> {
+        let owned = params_of_ranks(&gpt.cfg, cfg.stages)?;
+        let mine = owned.get(rank).ok_or_else(|| format!("pipeline rank {rank} of {}", cfg.stages))?.clone();
+        Ok(PipelinePiece { gpt, cfg, mine, owned })
+    }
+    /// The lowest pipeline rank that uses parameter `k` (the one that counts its gradient).
+    fn lowest(&self, k: usize) -> Option<usize> {
+        self.owned.iter().position(|o| o.contains(&k))
+    }
+}
+
+impl Piece for PipelinePiece {
+    fn params(&self) -> Vec<Tensor> {
+        let all = self.gpt.parameters();
+        self.mine.iter().map(|&k| all[k].shallow_clone()).collect()
+    }
+    fn counted(&self, mesh: &DeviceMesh) -> Vec<bool> {
+        self.mine.iter().map(|&k| self.lowest(k) == Some(mesh.coord("pp"))).collect()
+    }
+    fn forward_backward(&mut self, mesh: &DeviceMesh, batch: &Batch) -> CommResult<PieceStep> {
+        let pp = mesh.group("pp");
+        let c = self.gpt.cfg.n_embd;
+        let mut st = pipeline_step(pp, &self.gpt, self.cfg.schedule, batch, self.cfg.micro_batches, c)?;
+        let grads = self
+            .mine
+            .iter()
+            .map(|k| st.grads.remove(k))
+            .collect::<Option<Vec<Tensor>>>()
+            .filter(|_| st.grads.is_empty())
+            .ok_or_else(|| {
+                CommError::Protocol(format!("rank {}: the stages' gradients are not this rank's parameters", pp.rank()))
+            })?;
+        Ok(PieceStep { loss: st.loss, grads, pipeline: Some((st.bubble(), st.peak_in_flight)) })
+    }
+
+    /// Every other rank of the pipeline sends pp rank 0 the parameters it is the lowest user of,
+    /// and the last rank also its copy of the tied wte, which must equal rank 0's (they got the
+    /// same gradients and updates).
+    fn gather_whole(&self, mesh: &DeviceMesh) -> CommResult<Option<Vec<Tensor>>> {
+        let pp = mesh.group("pp");
+        let (p, r) = (pp.world_size(), pp.rank());
+        let all = self.gpt.parameters();
+        let shapes = self.gpt.cfg.param_shapes();
+        let empty = |k: usize| Tensor::zeros(shapes[k].1.as_slice(), (Kind::Float, tch::Device::Cpu));
+        let mut full = Vec::new();
+        for k in 0..all.len() {
+            let q = self.lowest(k).expect("every parameter has a stage");
+            if r == 0 && q == 0 {
+                full.push(all[k].detach().copy());
+            } else if r == 0 {
+                let mut t = empty(k);
+                pp.recv(&mut t, q)?;
+                full.push(t);
+            } else if r == q {
+                pp.send(&all[k], 0)?;
+            }
+        }
+        if p > 1 && r == p - 1 {
+            pp.send(&all[0], 0)?;
+        } else if p > 1 && r == 0 {
+            let mut other = empty(0);
+            pp.recv(&mut other, p - 1)?;
+            if !other.equal(&full[0]) {
+                let d = (&other - &full[0]).abs().max().double_value(&[]);
+                return Err(CommError::Protocol(format!("the two copies of the tied wte differ by up to {d}")));
+            }
+        }
+        Ok((r == 0).then_some(full))
+    }
+}

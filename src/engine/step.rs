@@ -1,0 +1,241 @@
+//! The engine of one rank: its mesh, its piece, the data dimension's wrapper, and the one training
+//! step ([`Engine::train_step`] = [`forward_backward`](Engine::forward_backward) then
+//! [`apply`](Engine::apply)); [`parallelize`] builds it from a layout and a GPT.
+
+use super::{DataDim, ParallelDims, Piece, PieceStep, PipelinePiece, Plan};
+use crate::comm::{CommError, CommResult, DeviceMesh, ProcessGroup, ReduceOp};
+use crate::memory::{held_bytes, MemoryStats};
+use crate::model::{Batch, Gpt, GptConfig};
+use crate::optim::{optimizer_step, Decay, Held, NonFinite, Optimizer};
+use crate::tp::TpGpt;
+use crate::zero::ShardedTensors;
+use tch::Tensor;
+
+/// The mesh's groups outermost first (pp, dp, tp): a rank's row-major index over them is its
+/// global rank.
+fn groups(mesh: &DeviceMesh) -> [&ProcessGroup; 3] {
+    [mesh.group("pp"), mesh.group("dp"), mesh.group("tp")]
+}
+
+/// Abort every group of the mesh with `e` (so no rank waits in a collective for this one),
+/// returned as this rank's error.
+fn abort(mesh: &DeviceMesh, e: CommError) -> CommError {
+    let g = groups(mesh);
+    let rank = g.iter().fold(0, |acc, g| acc * g.world_size() + g.rank());
+    let m = format!("rank {rank}: train step: {e}");
+    g.iter().for_each(|g| g.abort(&m));
+    CommError::InvalidArgument(m)
+}
+
+/// One rank's engine (see the module docs of [`crate::engine`]).
+pub struct Engine {
+    pub dims: ParallelDims,
+    mesh: DeviceMesh,
+    piece: Box<dyn Piece>,
+    /// ZeRO over dp; `None`: DDP.
+    shards: Option<ShardedTensors>,
+    /// DDP: bytes of the last step's gradients (they live only during a step), measured.
+    last_grad_bytes: u64,
+}
+
+/// What one step gives, the same on every rank.
+#[derive(Clone, Copy, Debug)]
+pub struct Trained {
+    /// The global batch's mean loss (the replicas' means averaged).
+    pub loss: f64,
+    /// The global gradient norm before clipping.
+    pub norm: f64,
+    /// Under pipeline parallelism, this rank's bubble and peak micro-batches held.
+    pub pipeline: Option<(f64, usize)>,
+}
+
+/// Lay out `pg`'s ranks as `plan.dims`, build this rank's piece of the GPT (`cfg`) and wrap it for
+/// `plan.data`.
+/// `build(keep)` gives the GPT with (at least) the parameters `keep` accepts materialised — every
+/// rank builds from the same seed, so the pieces fit together. Tensor and pipeline parallelism
+/// together (tp > 1 and pp > 1) are refused: not built yet. An error is the same on every rank
+/// (it depends only on the arguments) or aborts the mesh.
+pub fn parallelize(
+    pg: &ProcessGroup,
+    plan: &Plan,
+    cfg: &GptConfig,
+    build: &dyn Fn(&dyn Fn(usize) -> bool) -> anyhow::Result<Gpt>,
+) -> anyhow::Result<Engine> {
+    let Plan { dims, data, sequence_parallel, pipeline } = *plan;
+    anyhow::ensure!(
+        dims.world() == pg.world_size(),
+        "the layout {dims:?} has {} ranks, the group {}",
+        dims.world(),
+        pg.world_size()
+    );
+    anyhow::ensure!(
+        dims.tp == 1 || dims.pp == 1,
+        "--tp with --pp (3-D parallelism) is not built yet: a pipeline stage runs the GPT's blocks whole (lesson 13, \
+         \"What is not done yet\")"
+    );
+    anyhow::ensure!(
+        !sequence_parallel || dims.tp > 1,
+        "sequence parallelism splits over the tensor-parallel group: it needs tensor_parallel > 1 (--tp)"
+    );
+    anyhow::ensure!(
+        dims.pp == 1 || pipeline.stages == dims.pp,
+        "the pipeline config has {} stages, the layout {}",
+        pipeline.stages,
+        dims.pp
+    );
+    let mesh = dims.mesh(pg)?;
+    let piece: Box<dyn Piece> = if dims.pp > 1 {
+        let owned = crate::pipeline::train::params_of_ranks(cfg, dims.pp).map_err(anyhow::Error::msg)?;
+        let mine = owned[mesh.coord("pp")].clone();
+        let gpt = build(&|k| mine.binary_search(&k).is_ok())?;
+        Box::new(PipelinePiece::new(gpt, pipeline, mesh.coord("pp")).map_err(anyhow::Error::msg)?)
+    } else {
+        let full = build(&|_| true)?;
+        let m = TpGpt::from_gpt(&full, mesh.group("tp")).map_err(|e| anyhow::anyhow!("--tp {}: {e}", dims.tp))?;
+        Box::new(m.with_sequence_parallel(sequence_parallel))
+    };
+    let shards = match data {
+        DataDim::Replicate => None,
+        DataDim::Zero(stage) => {
+            Some(ShardedTensors::new(mesh.group("dp"), piece.params(), &piece.counted(&mesh), stage)?)
+        }
+    };
+    Ok(Engine { dims, mesh, piece, shards, last_grad_bytes: 0 })
+}
+
+impl Engine {
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+    pub fn piece(&self) -> &dyn Piece {
+        &*self.piece
+    }
+    /// The piece's forward and backward on this replica's `batch` (ZeRO-3: between a gather of its
+    /// parameters and their release). An error aborts the mesh.
+    pub fn forward_backward(&mut self, batch: &Batch) -> CommResult<PieceStep> {
+        let dp = self.mesh.group("dp");
+        let mut run = || {
+            if let Some(s) = self.shards.as_mut() {
+                s.gather(dp)?;
+            }
+            self.piece.forward_backward(&self.mesh, batch)
+        };
+        let r = run();
+        if let Some(s) = self.shards.as_mut() {
+            s.release();
+        }
+        r.map_err(|e| abort(&self.mesh, e))
+    }
+
+    /// The step after [`forward_backward`](Self::forward_backward): the loss and the gradients
+    /// averaged over dp (DDP: all-reduced; ZeRO: reduce-scattered into this rank's shards), then
+    /// [`optimizer_step`] over pp × dp × tp, then (ZeRO-1/2) the updated shards all-gathered. A
+    /// step every rank refused together (a non-finite gradient anywhere) is an error that leaves
+    /// the engine usable; any other error aborts the mesh.
+    pub fn apply(
+        &mut self,
+        step: PieceStep,
+        opt: &mut dyn Optimizer,
+        lr: f64,
+        clip: Option<f64>,
+    ) -> CommResult<Trained> {
+        let PieceStep { loss, mut grads, pipeline } = step;
+        let dp = self.mesh.group("dp");
+        let n = dp.world_size() as f64;
+        let mut l = Tensor::from_slice(&[loss]);
+        if n > 1.0 {
+            dp.all_reduce(&mut l, ReduceOp::Sum).map_err(|e| abort(&self.mesh, e))?;
+        }
+        let loss = l.double_value(&[0]) / n;
+        let held = match self.shards.as_mut() {
+            None => {
+                if n > 1.0 {
+                    crate::ddp::average_gradients(dp, &mut grads).map_err(|e| abort(&self.mesh, e))?;
+                }
+                self.last_grad_bytes = held_bytes(grads.iter());
+                // Counted on the first replica: the averaged gradients are the same on all.
+                let first = dp.rank() == 0;
+                let counted = self.piece.counted(&self.mesh).into_iter().map(|c| c && first).collect();
+                let params = self.piece.params();
+                let decay = params.iter().map(|p| Decay::for_shape(&p.size())).collect();
+                Held { params, grads, decay, counted }
+            }
+            Some(s) => {
+                let r = s.reduce(dp, &grads);
+                drop(grads);
+                r.map_err(|e| abort(&self.mesh, e))?;
+                s.held()
+            }
+        };
+        let stepped = optimizer_step(&groups(&self.mesh), opt, &held, lr, clip, NonFinite::Fail, None)
+            .map_err(|e| if matches!(e, CommError::Step(_)) { e } else { abort(&self.mesh, e) })?;
+        if let Some(s) = self.shards.as_mut() {
+            s.updated(dp).map_err(|e| abort(&self.mesh, e))?;
+        }
+        Ok(Trained { loss, norm: stepped.norm, pipeline })
+    }
+
+    /// One training step: [`forward_backward`](Self::forward_backward), then [`apply`](Self::apply).
+    pub fn train_step(
+        &mut self,
+        batch: &Batch,
+        opt: &mut dyn Optimizer,
+        lr: f64,
+        clip: Option<f64>,
+    ) -> CommResult<Trained> {
+        let step = self.forward_backward(batch)?;
+        self.apply(step, opt, lr, clip)
+    }
+
+    /// The whole model's parameters (the GPT's order) on the first replica's ranks that gather
+    /// them (every tensor-parallel rank, pipeline rank 0; always global rank 0), `None` on the
+    /// others: a collective over the mesh (ZeRO-3 gathers its shards first).
+    pub fn full_parameters(&mut self) -> CommResult<Option<Vec<Tensor>>> {
+        let dp = self.mesh.group("dp");
+        let r = (|| {
+            if let Some(s) = self.shards.as_mut() {
+                s.gather(dp)?;
+            }
+            if dp.rank() == 0 {
+                self.piece.gather_whole(&self.mesh)
+            } else {
+                Ok(None)
+            }
+        })();
+        if let Some(s) = self.shards.as_mut() {
+            s.release();
+        }
+        r.map_err(|e| abort(&self.mesh, e))
+    }
+
+    /// Bytes this rank holds between steps, from its tensors: the piece's parameters (ZeRO: its
+    /// full buffers and master shards), its gradients (DDP: the last step's, which live during a
+    /// step; ZeRO: the kept flat gradients and the shards) and `opt`'s state.
+    pub fn memory(&self, opt: &dyn Optimizer) -> MemoryStats {
+        let (params, grads) = match &self.shards {
+            Some(s) => s.held_bytes(),
+            None => (held_bytes(self.piece.params().iter()), self.last_grad_bytes),
+        };
+        MemoryStats { params, grads, optim: opt.state_bytes(), ..Default::default() }
+    }
+
+    /// What the optimizer steps on this rank: the piece's parameters (DDP) or its master shards
+    /// (ZeRO) — handles.
+    pub fn masters(&self) -> Vec<Tensor> {
+        match &self.shards {
+            Some(s) => s.held().params,
+            None => self.piece.params(),
+        }
+    }
+
+    /// The gradient buffers the engine keeps between steps (ZeRO: the shards, stage 1's flat
+    /// gradients; DDP: none — a step's gradients are the [`PieceStep`]'s).
+    pub fn kept_grads(&self) -> Vec<Tensor> {
+        self.shards.as_ref().map_or_else(Vec::new, |s| s.kept_grads())
+    }
+
+    /// Bytes this rank has sent over the mesh's groups so far.
+    pub fn bytes_sent(&self) -> u64 {
+        groups(&self.mesh).iter().map(|g| g.stats().bytes_sent).sum()
+    }
+}
