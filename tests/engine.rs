@@ -8,7 +8,8 @@
 //!
 //! The layouts put ZeRO on the data dimension of tensor- and pipeline-parallel pieces (torchtitan's
 //! FSDP + TP), which the data-parallel strategies alone cannot: zero3 × tp 2, zero2 × tp 2,
-//! zero1 × pp 2, zero3 × pp 2, and DDP × tp 2 with sequence parallelism.
+//! zero1 × pp 2, zero3 × pp 2, DDP × tp 2 with sequence parallelism, and zero2 × pp 2 in GPipe with
+//! activation checkpointing (each pipeline rank recomputes its stages in backward).
 
 use shardlab::data::{synthetic_corpus, Tokens};
 use shardlab::job::{DataSource, GptJob, RunSummary};
@@ -79,21 +80,25 @@ fn every_layout_trains_like_one_process() {
         .fit(ScalingConfig { num_workers: 1, strategy: Strategy::Single, ..ScalingConfig::default() }, false, false)
         .unwrap();
     let pp2 = PipelineConfig { stages: 2, micro_batches: 2, schedule: Schedule::OneFOneB };
-    let layouts: [(&str, Strategy, usize, PipelineConfig, bool); 5] = [
-        ("zero3:dp2×tp2", Strategy::Zero3, 2, PipelineConfig::default(), false),
-        ("zero2:dp2×tp2", Strategy::Zero2, 2, PipelineConfig::default(), false),
-        ("ddp2×tp2+sp", Strategy::Ddp, 2, PipelineConfig::default(), true),
-        ("zero1:dp2×pp2", Strategy::Zero1, 1, pp2, false),
-        ("zero3:dp2×pp2", Strategy::Zero3, 1, pp2, false),
+    let gpipe = PipelineConfig { stages: 2, micro_batches: 4, schedule: Schedule::GPipe };
+    let (none, full) = (Checkpointing::None, Checkpointing::Full);
+    let layouts: [(&str, Strategy, usize, PipelineConfig, bool, Checkpointing); 6] = [
+        ("zero3:dp2×tp2", Strategy::Zero3, 2, PipelineConfig::default(), false, none),
+        ("zero2:dp2×tp2", Strategy::Zero2, 2, PipelineConfig::default(), false, none),
+        ("ddp2×tp2+sp", Strategy::Ddp, 2, PipelineConfig::default(), true, none),
+        ("zero1:dp2×pp2", Strategy::Zero1, 1, pp2, false, none),
+        ("zero3:dp2×pp2", Strategy::Zero3, 1, pp2, false, none),
+        ("zero2:dp2×pp2", Strategy::Zero2, 1, gpipe, false, full),
     ];
     let mut held = Vec::new();
-    for (name, strategy, tp, pipeline, sequence_parallel) in layouts {
+    for (name, strategy, tp, pipeline, sequence_parallel, activation_checkpointing) in layouts {
         let s = ScalingConfig {
             num_workers: 4,
             strategy,
             tensor_parallel: tp,
             sequence_parallel,
             pipeline,
+            activation_checkpointing,
             ..ScalingConfig::default()
         };
         let file = format!("{}.safetensors", name.replace([':', '×', '+'], "-"));
@@ -108,5 +113,22 @@ fn every_layout_trains_like_one_process() {
     let (z3, z2) = (&held[0].1, &held[1].1);
     assert!(z3.params < z2.params, "zero3 × tp 2 holds {} parameter bytes, zero2 × tp 2 {}", z3.params, z2.params);
     assert!(z3.optim == z2.optim && z3.optim > 0, "both shard AdamW's state: {} and {}", z3.optim, z2.optim);
+    // Refused on every rank, with the reason: what is not built.
+    let refused = |tp: usize, pipeline: PipelineConfig, activation_checkpointing| {
+        let s = ScalingConfig {
+            num_workers: 4,
+            tensor_parallel: tp,
+            pipeline,
+            activation_checkpointing,
+            ..Default::default()
+        };
+        format!("{:#}", job(&dir, 2, "no.safetensors").fit(s, false, false).err().expect("refused"))
+    };
+    let e = refused(2, PipelineConfig::default(), full);
+    assert!(e.contains("--activation-checkpointing full with --tp is not built yet"), "{e}");
+    let e = refused(1, pp2, Checkpointing::Every(2));
+    assert!(e.contains("a pipeline rank recomputes its stages whole"), "{e}");
+    let e = refused(2, pp2, none);
+    assert!(e.contains("--tp with --pp (3-D parallelism) is not built yet"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

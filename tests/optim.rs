@@ -330,7 +330,7 @@ fn a_nan_in_one_ranks_gradient_stops_every_rank_under_every_layout() {
         ("zero1 2 × pp 2", 1, 2, 2, DataDim::Zero(Stage::One)),
     ] {
         let out = spawn(tp * pp * dp, Backend::Local, move |pg| {
-            let plan = Plan { dims: ParallelDims { pp, dp, tp }, data, sequence_parallel: false, pipeline: pc };
+            let plan = Plan { pipeline: pc, ..Plan::new(ParallelDims { pp, dp, tp }, data) };
             let cfg = GptConfig::tiny();
             let mut e = parallelize(pg, &plan, &cfg, &|keep| Gpt::new_only(cfg, 1, keep))?;
             let b = DistributedSampler::new(16, 4, e.mesh().coord("dp"), dp, 0)?.batch(&corpus(), 0);

@@ -284,3 +284,60 @@ fn a_job_with_pp_trains_like_ddp() {
     assert!(e.contains("--tp with --pp (3-D parallelism) is not built yet"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A GPT that counts its stage forwards (what the executor really ran).
+struct Counting {
+    gpt: Gpt,
+    forwards: std::sync::atomic::AtomicUsize,
+}
+
+impl Model for Counting {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.gpt.named_parameters()
+    }
+    fn num_stages(&self) -> usize {
+        self.gpt.num_stages()
+    }
+    fn stage_forward(&self, s: usize, x: &Tensor, batch: &Batch) -> Tensor {
+        self.forwards.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.gpt.stage_forward(s, x, batch)
+    }
+    fn param_stages(&self) -> Vec<usize> {
+        self.gpt.param_stages()
+    }
+    fn stage_uses(&self) -> Vec<Vec<usize>> {
+        self.gpt.stage_uses()
+    }
+    fn var_store(&self) -> &tch::nn::VarStore {
+        self.gpt.var_store()
+    }
+}
+
+/// Activation checkpointing in a pipeline (`pipeline_step_with(…, true)`): each rank runs its
+/// stages' forward twice per micro-batch (counted on the model), and the loss and every gradient
+/// are bitwise those of the step that keeps its activations — the same operations on the same
+/// values.
+#[test]
+fn pipeline_recompute_runs_each_forward_twice_and_changes_no_bit() {
+    use shardlab::pipeline::pipeline_step_with;
+    let out = spawn(2, Backend::Local, |pg| {
+        let (cfg, batch) = setup();
+        let mut results = Vec::new();
+        for recompute in [false, true] {
+            let m = Counting { gpt: Gpt::new(cfg, 9)?, forwards: Default::default() };
+            let st = pipeline_step_with(pg, &m, Schedule::OneFOneB, &batch, 4, cfg.n_embd, recompute)?;
+            let grads: Vec<Vec<f32>> =
+                st.grads.values().map(|g| Vec::<f32>::try_from(g.reshape([-1])).unwrap()).collect();
+            results.push((st.loss, grads, m.forwards.load(std::sync::atomic::Ordering::Relaxed)));
+        }
+        Ok(results)
+    })
+    .unwrap();
+    for (r, res) in out.into_iter().enumerate() {
+        let ((l0, g0, f0), (l1, g1, f1)) = (&res[0], &res[1]);
+        assert_eq!(l0.to_bits(), l1.to_bits(), "rank {r}: the loss changed with recompute");
+        assert_eq!(g0, g1, "rank {r}: a gradient changed with recompute");
+        // 4 stages over 2 ranks: 2 each, 4 micro-batches.
+        assert_eq!((*f0, *f1), (8, 16), "rank {r}: stage forwards without and with recompute");
+    }
+}

@@ -401,7 +401,7 @@ fn tp_run_with(pg: &ProcessGroup, sequence_parallel: bool) -> anyhow::Result<TpO
     let calls = [ar, ag, rs, step0.comm.collectives - ar - ag - rs];
     // Training: the engine over a 1 × 1 × t layout (the one optimizer step).
     let dims = ParallelDims { pp: 1, dp: 1, tp: pg.world_size() };
-    let plan = Plan { dims, data: DataDim::Replicate, sequence_parallel, pipeline: Default::default() };
+    let plan = Plan { sequence_parallel, ..Plan::new(dims, DataDim::Replicate) };
     let mut e = parallelize(pg, &plan, &GPT, &|_| Gpt::new(GPT, 9))?;
     let mut o = opt();
     let (mut losses, mut norm0) = (vec![], 0.0);
@@ -510,7 +510,7 @@ fn dp_times_tp_on_a_2x2_mesh_matches_one_process() {
     let (losses, _, fin) = one_process_with(false);
     let out = spawn(4, Backend::Local, |pg| {
         let dims = ParallelDims { pp: 1, dp: 2, tp: 2 };
-        let plan = Plan { dims, data: DataDim::Replicate, sequence_parallel: false, pipeline: Default::default() };
+        let plan = Plan::new(dims, DataDim::Replicate);
         let mut e = parallelize(pg, &plan, &GPT, &|_| Gpt::new(GPT, 9))?;
         let mut o = opt();
         let half = (ROWS / 2) as i64;

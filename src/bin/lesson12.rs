@@ -82,7 +82,7 @@ struct Vocab {
 fn train(pg: &ProcessGroup, steps: u64) -> anyhow::Result<Run> {
     // The whole group is one tensor-parallel replica: the engine's layout 1 × 1 × t.
     let dims = ParallelDims { pp: 1, dp: 1, tp: pg.world_size() };
-    let plan = Plan { dims, data: DataDim::Replicate, sequence_parallel: false, pipeline: Default::default() };
+    let plan = Plan::new(dims, DataDim::Replicate);
     let mut m = parallelize(pg, &plan, &cfg(), &|_| Gpt::new(cfg(), 9))?;
     let mut opt = AdamW::new(AdamWConfig { lr: LR, ..Default::default() });
     let (mut losses, mut times, mut comm) = (vec![], vec![], None);

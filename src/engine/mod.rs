@@ -37,6 +37,7 @@ pub use step::{parallelize, Engine, Trained};
 
 use crate::comm::{CommResult, DeviceMesh, ProcessGroup};
 use crate::pipeline::PipelineConfig;
+use crate::stages::Checkpointing;
 use crate::zero::Stage;
 
 /// How many ranks each dimension of a layout has: pipeline stages × data-parallel replicas ×
@@ -100,6 +101,19 @@ pub struct Plan {
     pub sequence_parallel: bool,
     /// The schedule and micro-batches of the pipeline (its `stages` = `dims.pp`).
     pub pipeline: PipelineConfig,
+    /// Activation checkpointing: under pipeline parallelism `Full` recomputes each rank's stages
+    /// per micro-batch ([`pipeline_step_with`](crate::pipeline::pipeline_step_with)); not built
+    /// for tensor-parallel pieces, nor `every:K` inside a pipeline rank.
+    pub activation_checkpointing: Checkpointing,
+}
+
+impl Plan {
+    /// `dims` with `data` on the data dimension; no sequence parallelism, the default pipeline
+    /// schedule, no activation checkpointing.
+    pub fn new(dims: ParallelDims, data: DataDim) -> Plan {
+        let pipeline = PipelineConfig { stages: dims.pp, ..PipelineConfig::default() };
+        Plan { dims, data, sequence_parallel: false, pipeline, activation_checkpointing: Checkpointing::None }
+    }
 }
 
 /// What the data dimension does with a piece.

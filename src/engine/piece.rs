@@ -5,7 +5,7 @@
 use crate::comm::{CommError, CommResult, DeviceMesh};
 use crate::model::{Batch, Gpt, Model};
 use crate::pipeline::train::params_of_ranks;
-use crate::pipeline::{pipeline_step, PipelineConfig};
+use crate::pipeline::{pipeline_step_with, PipelineConfig};
 use crate::tp::TpGpt;
 use tch::{Kind, Tensor};
 
@@ -62,6 +62,8 @@ pub struct PipelinePiece {
     mine: Vec<usize>,
     /// Which parameters each pipeline rank holds.
     owned: Vec<Vec<usize>>,
+    /// Activation checkpointing: recompute this rank's stages per micro-batch.
+    recompute: bool,
 }
 
 impl PipelinePiece {
@@ -69,7 +71,13 @@ impl PipelinePiece {
     pub fn new(gpt: Gpt, cfg: PipelineConfig, rank: usize) -> Result<PipelinePiece, String> {
         let owned = params_of_ranks(&gpt.cfg, cfg.stages)?;
         let mine = owned.get(rank).ok_or_else(|| format!("pipeline rank {rank} of {}", cfg.stages))?.clone();
-        Ok(PipelinePiece { gpt, cfg, mine, owned })
+        Ok(PipelinePiece { gpt, cfg, mine, owned, recompute: false })
+    }
+    /// Recompute this rank's stages in backward instead of keeping their activations
+    /// ([`pipeline_step_with`]).
+    pub fn recompute(mut self, on: bool) -> Self {
+        self.recompute = on;
+        self
     }
     /// The lowest pipeline rank that uses parameter `k` (the one that counts its gradient).
     fn lowest(&self, k: usize) -> Option<usize> {
@@ -88,7 +96,8 @@ impl Piece for PipelinePiece {
     fn forward_backward(&mut self, mesh: &DeviceMesh, batch: &Batch) -> CommResult<PieceStep> {
         let pp = mesh.group("pp");
         let c = self.gpt.cfg.n_embd;
-        let mut st = pipeline_step(pp, &self.gpt, self.cfg.schedule, batch, self.cfg.micro_batches, c)?;
+        let (kind, m) = (self.cfg.schedule, self.cfg.micro_batches);
+        let mut st = pipeline_step_with(pp, &self.gpt, kind, batch, m, c, self.recompute)?;
         let grads = self
             .mine
             .iter()

@@ -7,6 +7,7 @@ use crate::comm::{CommError, CommResult, DeviceMesh, ProcessGroup, ReduceOp};
 use crate::memory::{held_bytes, MemoryStats};
 use crate::model::{Batch, Gpt, GptConfig};
 use crate::optim::{optimizer_step, Decay, Held, NonFinite, Optimizer};
+use crate::stages::Checkpointing;
 use crate::tp::TpGpt;
 use crate::zero::ShardedTensors;
 use tch::Tensor;
@@ -61,7 +62,7 @@ pub fn parallelize(
     cfg: &GptConfig,
     build: &dyn Fn(&dyn Fn(usize) -> bool) -> anyhow::Result<Gpt>,
 ) -> anyhow::Result<Engine> {
-    let Plan { dims, data, sequence_parallel, pipeline } = *plan;
+    let Plan { dims, data, sequence_parallel, pipeline, activation_checkpointing: ac } = *plan;
     anyhow::ensure!(
         dims.world() == pg.world_size(),
         "the layout {dims:?} has {} ranks, the group {}",
@@ -83,12 +84,25 @@ pub fn parallelize(
         pipeline.stages,
         dims.pp
     );
+    match ac {
+        Checkpointing::None => {}
+        Checkpointing::Full if dims.tp == 1 => {}
+        _ if dims.tp > 1 => anyhow::bail!(
+            "--activation-checkpointing {ac} with --tp is not built yet: a tensor-parallel block keeps its graph \
+             (lesson 12, \"What is not done yet\")"
+        ),
+        _ => anyhow::bail!(
+            "--activation-checkpointing {ac} with --pp: a pipeline rank recomputes its stages whole (full) or not at \
+             all (none)"
+        ),
+    }
     let mesh = dims.mesh(pg)?;
     let piece: Box<dyn Piece> = if dims.pp > 1 {
         let owned = crate::pipeline::train::params_of_ranks(cfg, dims.pp).map_err(anyhow::Error::msg)?;
         let mine = owned[mesh.coord("pp")].clone();
         let gpt = build(&|k| mine.binary_search(&k).is_ok())?;
-        Box::new(PipelinePiece::new(gpt, pipeline, mesh.coord("pp")).map_err(anyhow::Error::msg)?)
+        let piece = PipelinePiece::new(gpt, pipeline, mesh.coord("pp")).map_err(anyhow::Error::msg)?;
+        Box::new(piece.recompute(ac == Checkpointing::Full))
     } else {
         let full = build(&|_| true)?;
         let m = TpGpt::from_gpt(&full, mesh.group("tp")).map_err(|e| anyhow::anyhow!("--tp {}: {e}", dims.tp))?;

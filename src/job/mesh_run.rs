@@ -9,8 +9,9 @@
 //! `tests/pipeline.rs`).
 //!
 //! What is not combined with tensor or pipeline parallelism yet — `--tp` with `--pp`, mixed
-//! precision, gradient accumulation, activation checkpointing, distributed checkpoints, offload,
-//! GPUs — is refused with the reason on every rank before any computes.
+//! precision, gradient accumulation, activation checkpointing with `--tp` (or `every:K` with
+//! `--pp`), distributed checkpoints, offload, GPUs — is refused with the reason on every rank
+//! before any computes.
 
 use super::{GptJob, PipelineStats, RunSummary};
 use crate::data::DistributedSampler;
@@ -67,7 +68,6 @@ fn unsupported(job: &GptJob, ctx: &TrainContext, dims: &ParallelDims) -> Option<
         } else {
             "gradient accumulation"
         }),
-        _ if s.activation_checkpointing != crate::stages::Checkpointing::None => no("activation checkpointing"),
         _ if job.checkpoint.dir.is_some() || job.checkpoint.resume.is_some() => no("distributed checkpoints"),
         _ if s.offload => no("offload"),
         _ if s.device != crate::device::DeviceChoice::Cpu || s.use_gpu => no("GPUs"),
@@ -94,7 +94,13 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     if let Some(e) = unsupported(job, ctx, &dims) {
         anyhow::bail!(e);
     }
-    let plan = Plan { dims, data: data_dim(s.strategy), sequence_parallel: s.sequence_parallel, pipeline: s.pipeline };
+    let plan = Plan {
+        dims,
+        data: data_dim(s.strategy),
+        sequence_parallel: s.sequence_parallel,
+        pipeline: s.pipeline,
+        activation_checkpointing: s.activation_checkpointing,
+    };
     let build = |keep: &dyn Fn(usize) -> bool| -> anyhow::Result<Gpt> {
         if job.init.is_some() {
             let m = job.build_model()?; // loaded whole from the file, then cut down

@@ -67,6 +67,23 @@ pub fn pipeline_step(
     micro_batches: usize,
     hidden: i64,
 ) -> CommResult<PipelineStep> {
+    pipeline_step_with(pg, model, kind, batch, micro_batches, hidden, false)
+}
+
+/// [`pipeline_step`], with activation checkpointing when `recompute`: each micro-batch's forward
+/// through this rank's stages runs without a graph, keeping only its input (the received
+/// activation; on the first rank, the batch's rows), and runs again with a graph just before its
+/// backward — the same operations on the same values, so the same gradients bitwise, for one more
+/// forward of the rank's stages. Megatron's full recompute at the granularity of a pipeline rank.
+pub fn pipeline_step_with(
+    pg: &ProcessGroup,
+    model: &dyn Model,
+    kind: Schedule,
+    batch: &Batch,
+    micro_batches: usize,
+    hidden: i64,
+    recompute: bool,
+) -> CommResult<PipelineStep> {
     let (p, r) = (pg.world_size(), pg.rank());
     let bad = |m: String| CommError::InvalidArgument(format!("rank {r}: pipeline: {m}"));
     let parts = partition(model.num_stages(), p).map_err(bad)?;
@@ -100,7 +117,15 @@ pub fn pipeline_step(
     let my_params = used_by(r);
     let params = model.parameters();
     let mut grads: BTreeMap<usize, Tensor> = BTreeMap::new();
-    let mut saved: Vec<Option<(Option<Tensor>, Tensor)>> = (0..micro_batches).map(|_| None).collect();
+    // This rank's stages on one micro-batch, from its input leaf (none on the first rank).
+    let forward = |x_leaf: &Option<Tensor>, part: &Batch| {
+        let mut x = x_leaf.as_ref().map_or_else(Tensor::new, |x| x.shallow_clone());
+        for s in mine.clone() {
+            x = model.stage_forward(s, &x, part);
+        }
+        x
+    };
+    let mut saved: Vec<Option<(Option<Tensor>, Option<Tensor>)>> = (0..micro_batches).map(|_| None).collect();
     let (mut held, mut peak, mut losses) = (0usize, 0usize, 0.0f64);
     let act = |_: usize| Tensor::zeros([mb, t, hidden], (Kind::Float, batch.x.device()));
     // A send may block until the receiver reads (a full socket or shared-memory ring; NCCL always
@@ -130,10 +155,7 @@ pub fn pipeline_step(
                     Some(x.set_requires_grad(true))
                 };
                 start = t0.elapsed().as_secs_f64();
-                let mut x = x_leaf.as_ref().map_or_else(Tensor::new, |x| x.shallow_clone());
-                for s in mine.clone() {
-                    x = model.stage_forward(s, &x, &part);
-                }
+                let x = if recompute { tch::no_grad(|| forward(&x_leaf, &part)) } else { forward(&x_leaf, &part) };
                 end = t0.elapsed().as_secs_f64();
                 if last {
                     losses += x.double_value(&[]) * weight[i];
@@ -158,7 +180,8 @@ pub fn pipeline_step(
                         pg.send(&x.detach(), r + 1)?;
                     }
                 }
-                saved[i] = Some((x_leaf, x));
+                // Recomputed: keep the input only (the output, without a graph, is dropped here).
+                saved[i] = Some((x_leaf, if recompute { None } else { Some(x) }));
                 held += 1;
                 peak = peak.max(held);
             }
@@ -178,6 +201,8 @@ pub fn pipeline_step(
                     g
                 };
                 start = t0.elapsed().as_secs_f64();
+                // Recomputed: the forward again, now with a graph, from the kept input.
+                let out = out.unwrap_or_else(|| forward(&x_leaf, &batch.rows(i as i64 * mb, (i as i64 + 1) * mb)));
                 let mut wrt: Vec<&Tensor> = my_params.iter().map(|&k| &params[k]).collect();
                 if let Some(x) = &x_leaf {
                     wrt.push(x);
