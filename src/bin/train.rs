@@ -25,7 +25,7 @@ use shardlab::job::{self, DataSource, GptJob};
 use shardlab::prelude::*;
 
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Train the course's GPT (nanoGPT names) single-process or data parallel")]
+#[command(about = "Train the course's GPT (nanoGPT names) single-process, data, tensor or pipeline parallel")]
 struct Args {
     #[arg(long, value_enum, default_value = "single")]
     strategy: Strategy,
@@ -38,7 +38,7 @@ struct Args {
     variant: Variant,
     /// Tensor parallelism (lesson 12): groups of this many ranks split every matrix of the GPT
     /// (Megatron-LM); the world is (world-size / tp) data-parallel replicas of tp ranks each.
-    /// With --strategy ddp; 1: none.
+    /// --strategy ddp or zero1/2/3 runs on the data dimension; 1: none.
     #[arg(long, default_value_t = 1)]
     tp: usize,
     /// With --tp: sequence parallelism (Korthikanti et al. 2022): LayerNorms and residuals on
@@ -47,7 +47,7 @@ struct Args {
     sequence_parallel: bool,
     /// Pipeline parallelism (lesson 13): the GPT's stages (embeddings, blocks, head) cut over this
     /// many ranks, each building only its own; the world is (world-size / pp) data-parallel
-    /// replicas of pp ranks each. With --strategy ddp; 1: none.
+    /// replicas of pp ranks each. --strategy ddp or zero1/2/3 runs on the data dimension; 1: none.
     #[arg(long, default_value_t = 1)]
     pp: usize,
     /// With --pp: micro-batches per replica's batch (--batch-size × --pp rows; default 4); more
@@ -283,21 +283,11 @@ fn main() -> anyhow::Result<()> {
     );
     if args.pp != 1 {
         anyhow::ensure!(
-            args.strategy == Strategy::Ddp,
-            "--pp {} runs with --strategy ddp (the data-parallel dimension: --world-size / --pp replicas)",
-            args.pp
-        );
-        anyhow::ensure!(
             args.max_restarts == 0 && !args.shrink_on_failure,
             "--pp is not combined with elastic restarts yet"
         );
     }
     if args.tp != 1 {
-        anyhow::ensure!(
-            args.strategy == Strategy::Ddp,
-            "--tp {} runs with --strategy ddp (the data-parallel dimension: --world-size / --tp replicas)",
-            args.tp
-        );
         anyhow::ensure!(
             args.max_restarts == 0 && !args.shrink_on_failure,
             "--tp is not combined with elastic restarts yet"

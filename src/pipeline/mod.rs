@@ -24,8 +24,9 @@
 
 //!
 //! The files: `schedule.rs` (the schedules and the simulator), `executor.rs` (one pipelined
-//! forward and backward over real ranks: [`pipeline_step`]), `train.rs` (one rank's optimizer
-//! step after it).
+//! forward and backward over real ranks: [`pipeline_step`]), `train.rs` (which parameters each
+//! rank holds). A rank's optimizer step after it is the engine's (`crate::engine`:
+//! `PipelinePiece`).
 
 mod executor;
 mod schedule;

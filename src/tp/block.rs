@@ -26,7 +26,8 @@ pub struct TpBlock {
     /// (C, 4C/t), b (C).
     pub params: Vec<Tensor>,
     n_head: i64,
-    saved: Option<BlockSaved>,
+    /// What each forward in flight keeps for its backward, by micro-batch (a pipeline runs several).
+    saved: std::collections::BTreeMap<usize, BlockSaved>,
     /// Bytes this block all-reduced so far (with sequence parallelism: all-gathered and
     /// reduce-scattered, the full (B, T, C) size of each).
     pub bytes_all_reduced: u64,
@@ -98,7 +99,7 @@ impl TpBlock {
         Ok(TpBlock {
             params: params.into_iter().map(|p| p.set_requires_grad(true)).collect(),
             n_head,
-            saved: None,
+            saved: Default::default(),
             bytes_all_reduced: 0,
             sequence_parallel: false,
         })
@@ -140,10 +141,16 @@ impl TpBlock {
     /// (B, T, C) → (B, T, C), the same on every rank of `pg`; with sequence parallelism
     /// (B, T/t, C) → (B, T/t, C), this rank's tokens.
     pub fn forward(&mut self, pg: &ProcessGroup, x: &Tensor) -> CommResult<Tensor> {
+        self.forward_mb(pg, 0, x)
+    }
+
+    /// [`forward`](Self::forward) of micro-batch `mb`, kept for its backward
+    /// ([`backward_mb`](Self::backward_mb)) while others are in flight (pipeline schedules).
+    pub fn forward_mb(&mut self, pg: &ProcessGroup, mb: usize, x: &Tensor) -> CommResult<Tensor> {
         let p = &self.params;
-        if self.saved.is_some() {
+        if self.saved.contains_key(&mb) {
             return Err(CommError::InvalidArgument(format!(
-                "rank {}: TpBlock::forward twice without a backward (it keeps one forward's graph)",
+                "rank {}: TpBlock::forward of micro-batch {mb} twice without its backward",
                 pg.rank()
             )));
         }
@@ -203,7 +210,7 @@ impl TpBlock {
         let p11 = p[11].detach();
         let m = self.sum_partials(pg, &partial_m)? + p11;
         let out = x1 + m;
-        self.saved = Some(BlockSaved { x0, h1, h1_leaf, partial_a, x1_leaf, h2, h2_leaf, partial_m });
+        self.saved.insert(mb, BlockSaved { x0, h1, h1_leaf, partial_a, x1_leaf, h2, h2_leaf, partial_m });
         Ok(out)
     }
 
@@ -211,8 +218,16 @@ impl TpBlock {
     /// (sliced like them; the replicated ones alike on every rank) and dL/dx (the same on every
     /// rank). With sequence parallelism dL/dy and dL/dx are this rank's tokens'.
     pub fn backward(&mut self, pg: &ProcessGroup, dy: &Tensor) -> CommResult<(Vec<Tensor>, Tensor)> {
-        let s = self.saved.take().ok_or_else(|| {
-            CommError::InvalidArgument(format!("rank {}: TpBlock::backward without a forward", pg.rank()))
+        self.backward_mb(pg, 0, dy)
+    }
+
+    /// [`backward`](Self::backward) of micro-batch `mb`.
+    pub fn backward_mb(&mut self, pg: &ProcessGroup, mb: usize, dy: &Tensor) -> CommResult<(Vec<Tensor>, Tensor)> {
+        let s = self.saved.remove(&mb).ok_or_else(|| {
+            CommError::InvalidArgument(format!(
+                "rank {}: TpBlock::backward of micro-batch {mb} without its forward",
+                pg.rank()
+            ))
         })?;
         let vjp = |out: &Tensor, grad: &Tensor, wrt: &[&Tensor]| -> Vec<Tensor> {
             Tensor::run_backward(&[(out * grad).sum(Kind::Float)], wrt, false, false)

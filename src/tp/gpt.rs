@@ -25,8 +25,8 @@
 //!
 //! Run: `cargo run --release --bin lesson12`.
 
-use super::{layer_norm, vocab_parallel_cross_entropy, TpBlock};
-use crate::comm::{CommError, CommResult, CommStats, ProcessGroup, ReduceOp};
+use super::TpBlock;
+use crate::comm::{CommError, CommResult, CommStats, ProcessGroup};
 use crate::model::{Batch, Gpt, GptConfig, Model};
 use crate::precision::Precision;
 use tch::{Kind, Tensor};
@@ -42,7 +42,13 @@ pub struct TpGpt {
     /// ln_f weight and bias, replicated.
     pub ln_f: [Tensor; 2],
     /// Sequence parallelism (see [`with_sequence_parallel`](Self::with_sequence_parallel)).
-    sequence_parallel: bool,
+    pub(super) sequence_parallel: bool,
+    /// The GPT stages this rank runs (0: embeddings, 1..=L: blocks, L + 1: head): all of them,
+    /// or a pipeline rank's ([`from_gpt_stages`](Self::from_gpt_stages)). The tensors of the
+    /// others are empty and `blocks` holds only the blocks in range.
+    pub(super) stages: std::ops::Range<usize>,
+    pub(super) emb_saved: std::collections::BTreeMap<usize, super::stages::EmbSaved>,
+    pub(super) head_saved: std::collections::BTreeMap<usize, super::stages::HeadSaved>,
 }
 
 /// What one [`TpGpt::forward_backward`] gives.
@@ -59,8 +65,19 @@ impl TpGpt {
     /// This rank's part of `gpt` over the tensor-parallel group `pg`. The vocabulary and the head
     /// count must divide by the group's size; fp32 only.
     pub fn from_gpt(gpt: &Gpt, pg: &ProcessGroup) -> Result<TpGpt, String> {
+        Self::from_gpt_stages(gpt, pg, 0..gpt.cfg.n_layer as usize + 2)
+    }
+
+    /// This rank's part of the GPT stages `stages` of `gpt` (which holds at least their
+    /// parameters: a pipeline rank's model, [`Gpt::new_only`]) over the tensor-parallel group
+    /// `pg` — a pipeline rank's piece under 3-D parallelism.
+    pub fn from_gpt_stages(gpt: &Gpt, pg: &ProcessGroup, stages: std::ops::Range<usize>) -> Result<TpGpt, String> {
         let cfg = gpt.cfg;
         let (t, r) = (pg.world_size(), pg.rank());
+        let l = cfg.n_layer as usize;
+        if stages.is_empty() || stages.end > l + 2 {
+            return Err(format!("stages {stages:?} of a GPT of {} stages", l + 2));
+        }
         if cfg.vocab_size % t as i64 != 0 {
             return Err(format!(
                 "a vocabulary of {} does not split over {t} tensor-parallel ranks (pad it to a multiple of {t}, as Megatron pads to 128·t)",
@@ -76,19 +93,30 @@ impl TpGpt {
         let p: Vec<Tensor> = gpt.parameters().iter().map(|p| p.detach()).collect();
         let leaf = |x: Tensor| x.set_requires_grad(true);
         let rep = |x: &Tensor| leaf(x.copy());
-        let blocks = (0..cfg.n_layer as usize)
-            .map(|l| TpBlock::from_full(&p[2 + 12 * l..14 + 12 * l], cfg.n_head, pg))
+        let none = || leaf(Tensor::empty([0], (Kind::Float, p[0].device())));
+        let (embeds, head) = (stages.contains(&0), stages.contains(&(l + 1)));
+        let blocks = (0..l)
+            .filter(|b| stages.contains(&(b + 1)))
+            .map(|b| TpBlock::from_full(&p[2 + 12 * b..14 + 12 * b], cfg.n_head, pg))
             .collect::<Result<Vec<_>, _>>()?;
         let n = p.len();
         Ok(TpGpt {
             cfg,
             // The embedding's rows are its output features of the head: a column-parallel slice.
-            wte: leaf(super::column_shard(&p[0], t, r)?),
-            wpe: rep(&p[1]),
+            wte: if embeds || head { leaf(super::column_shard(&p[0], t, r)?) } else { none() },
+            wpe: if embeds { rep(&p[1]) } else { none() },
             blocks,
-            ln_f: [rep(&p[n - 2]), rep(&p[n - 1])],
+            ln_f: if head { [rep(&p[n - 2]), rep(&p[n - 1])] } else { [none(), none()] },
             sequence_parallel: false,
+            stages,
+            emb_saved: Default::default(),
+            head_saved: Default::default(),
         })
+    }
+
+    /// The GPT stages this rank runs.
+    pub fn stages(&self) -> std::ops::Range<usize> {
+        self.stages.clone()
     }
 
     /// Sequence parallelism on or off (Korthikanti et al. 2022): between the split matmuls each
@@ -103,110 +131,74 @@ impl TpGpt {
         self
     }
 
-    /// This rank's parameters in the GPT's order (wte, wpe, 12 per block, ln_f): handles, not copies.
-    pub fn params(&self) -> Vec<Tensor> {
-        let mut v = vec![self.wte.shallow_clone(), self.wpe.shallow_clone()];
-        for b in &self.blocks {
-            v.extend(b.params.iter().map(|p| p.shallow_clone()));
+    /// This rank's parameters with their index in the GPT's `named_parameters` (wte 0, wpe 1, 12
+    /// per block, ln_f last), ascending — those of its stages: handles, not copies.
+    pub fn indexed_params(&self) -> Vec<(usize, Tensor)> {
+        let l = self.cfg.n_layer as usize;
+        let (embeds, head) = (self.stages.contains(&0), self.stages.contains(&(l + 1)));
+        let mut v = Vec::new();
+        if embeds || head {
+            v.push((0, self.wte.shallow_clone()));
         }
-        v.extend(self.ln_f.iter().map(|p| p.shallow_clone()));
+        if embeds {
+            v.push((1, self.wpe.shallow_clone()));
+        }
+        let first = self.stages.start.max(1) - 1; // the first block's layer
+        for (k, b) in self.blocks.iter().enumerate() {
+            v.extend(b.params.iter().enumerate().map(|(j, p)| (2 + 12 * (first + k) + j, p.shallow_clone())));
+        }
+        if head {
+            v.extend(self.ln_f.iter().enumerate().map(|(j, p)| (2 + 12 * l + j, p.shallow_clone())));
+        }
         v
     }
 
-    /// Whether parameter `i` (in [`params`](Self::params) order) is split over the group — its
-    /// gradient's square counts from every rank in the global norm — or replicated (counted once).
+    /// This rank's parameters in the GPT's order ([`indexed_params`](Self::indexed_params)
+    /// without the indices; the whole model's: wte, wpe, 12 per block, ln_f).
+    pub fn params(&self) -> Vec<Tensor> {
+        self.indexed_params().into_iter().map(|(_, p)| p).collect()
+    }
+
+    /// Whether the GPT's parameter `i` is split over the group — its gradient's square counts
+    /// from every rank in the global norm — or replicated (counted once).
     pub fn is_split(&self, i: usize) -> bool {
-        let last = 2 + 12 * self.blocks.len();
+        let last = 2 + 12 * self.cfg.n_layer as usize;
         i == 0 || (2..last).contains(&i) && matches!((i - 2) % 12, 2 | 3 | 4 | 8 | 9 | 10)
     }
 
-    /// Forward and backward of one batch (`x`, `y` (B, T), the same on every rank of `pg`).
+    /// Forward and backward of one batch (`x`, `y` (B, T), the same on every rank of `pg`) through
+    /// every stage ([`stage_forward`](Self::stage_forward), then
+    /// [`stage_backward`](Self::stage_backward) in reverse). The whole model only.
     pub fn forward_backward(&mut self, pg: &ProcessGroup, batch: &Batch) -> CommResult<TpStep> {
-        let before = pg.stats();
-        let bad = |m: String| CommError::InvalidArgument(format!("rank {}: TpGpt: {m}", pg.rank()));
-        let (_b, t) = batch.x.size2().map_err(|e| bad(format!("ids must be (B, T): {e}")))?;
-        if t > self.cfg.block_size || batch.y.size() != batch.x.size() {
-            return Err(bad(format!(
-                "ids {:?} and targets {:?}: both (B, T) with T ≤ {}",
-                batch.x.size(),
-                batch.y.size(),
-                self.cfg.block_size
+        let n = self.cfg.n_layer as usize + 2;
+        if self.stages != (0..n) {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {}: TpGpt::forward_backward runs every stage; this rank holds {:?}",
+                pg.rank(),
+                self.stages
             )));
         }
-        let (lo_id, hi_id) = (batch.x.min().int64_value(&[]), batch.x.max().int64_value(&[]));
-        if lo_id < 0 || hi_id >= self.cfg.vocab_size {
-            // The one-process GPT would fail the lookup; a split table would silently give zeros.
-            let e = bad(format!("input ids in {lo_id}..={hi_id}, outside the vocabulary 0..{}", self.cfg.vocab_size));
-            pg.abort(&e.to_string());
-            return Err(e);
+        let before = pg.stats();
+        let mut x = Tensor::new();
+        for s in 0..n {
+            x = self.stage_forward(pg, s, 0, &x, batch)?;
         }
-        let tp = pg.world_size() as i64;
-        let sp = self.sequence_parallel;
-        if sp && t % tp != 0 {
-            return Err(bad(format!("sequence parallelism: {t} tokens do not split over {tp} ranks")));
+        let loss = x.double_value(&[]);
+        let mut grads: Vec<Option<Tensor>> = (0..4 + 12 * self.cfg.n_layer as usize).map(|_| None).collect();
+        let mut dy = Tensor::from(1.0f32);
+        for s in (0..n).rev() {
+            let (g, dx) = self.stage_backward(pg, s, 0, &dy)?;
+            for (i, g) in g {
+                grads[i] = Some(match grads[i].take() {
+                    Some(acc) => acc + g, // the tied wte: the head's, then the embedding's
+                    None => g,
+                });
+            }
+            if let Some(dx) = dx {
+                dy = dx;
+            }
         }
-        let vl = self.wte.size()[0];
-        let lo = pg.rank() as i64 * vl;
-        // Vocab-parallel embedding: an id outside this rank's rows looks up a clamped row and is zeroed;
-        // g (all-reduce forward, identity backward) sums the one rank that holds each id.
-        let local = &batch.x - lo;
-        let mine = local.ge(0).logical_and(&local.lt(vl)).to_kind(Kind::Float).unsqueeze(-1);
-        let tok_part = Tensor::embedding(&self.wte, &local.clamp(0, vl - 1), -1, false, false) * mine; // (B, T, C)
-        let pos = Tensor::arange(t, (Kind::Int64, batch.x.device()));
-        let pos_e = Tensor::embedding(&self.wpe, &pos, -1, false, false); // (T, C)
-        let (tl, t0) = if sp { (t / tp, pg.rank() as i64 * (t / tp)) } else { (t, 0) }; // this rank's tokens
-        let mut x = if sp {
-            super::scatter_dim(pg, &tok_part.detach(), 1)? // (B, T/t, C): this rank's tokens, summed
-        } else {
-            let mut tok = tok_part.detach().copy();
-            pg.all_reduce(&mut tok, ReduceOp::Sum)?;
-            tok
-        } + pos_e.detach().narrow(0, t0, tl);
-        for b in &mut self.blocks {
-            x = b.forward(pg, &x)?;
-        }
-        // Head: ln_f, then f (identity forward; sequence parallel: all-gather along T) into this
-        // rank's (B, T, V/t) columns of the logits.
-        let x_l = x.detach().set_requires_grad(true);
-        let h = layer_norm(&x_l, &self.ln_f[0], &self.ln_f[1]);
-        let h_leaf = if sp { super::gather_dim(pg, &h.detach(), 1)? } else { h.detach() }.set_requires_grad(true);
-        let logits = h_leaf.linear::<Tensor>(&self.wte, None).view([-1, vl]); // (B·T, V/t)
-        let (loss, dlogits) = vocab_parallel_cross_entropy(pg, &logits.detach(), &batch.y.view([-1]))?;
-        // Backward, in reverse: the head's local graph, then f backward — all-reduce dL/dh.
-        let g = Tensor::run_backward(&[(&logits * &dlogits).sum(Kind::Float)], &[&self.wte, &h_leaf], false, false);
-        let [g_wte_head, dh]: [Tensor; 2] = g.try_into().expect("two gradients");
-        let dh = if sp {
-            super::scatter_dim(pg, &dh, 1)? // this rank's tokens of the sum over the vocabulary slices
-        } else {
-            let mut dh = dh;
-            pg.all_reduce(&mut dh, ReduceOp::Sum)?;
-            dh
-        };
-        let g =
-            Tensor::run_backward(&[(&h * &dh).sum(Kind::Float)], &[&self.ln_f[0], &self.ln_f[1], &x_l], false, false);
-        let [mut g_lnw, mut g_lnb, mut dx]: [Tensor; 3] = g.try_into().expect("three gradients");
-        if sp {
-            // ln_f's gradients came from this rank's tokens: sum them over the group.
-            let mut flat = Tensor::cat(&[&g_lnw, &g_lnb], 0);
-            pg.all_reduce(&mut flat, ReduceOp::Sum)?;
-            let c = g_lnw.numel() as i64;
-            (g_lnw, g_lnb) = (flat.narrow(0, 0, c), flat.narrow(0, c, c));
-        }
-        let mut block_grads = Vec::with_capacity(self.blocks.len());
-        for b in self.blocks.iter_mut().rev() {
-            let (g, d) = b.backward(pg, &dx)?;
-            block_grads.push(g);
-            dx = d;
-        }
-        // The embedding's g backward is the identity (sequence parallel: all-gather along T): each
-        // rank's rows get dL/dx where they were used, and wpe every position's gradient.
-        let dx = if sp { super::gather_dim(pg, &dx, 1)? } else { dx };
-        let surrogate = (&tok_part * &dx).sum(Kind::Float) + (pos_e.unsqueeze(0) * &dx).sum(Kind::Float);
-        let g = Tensor::run_backward(&[surrogate], &[&self.wte, &self.wpe], false, false);
-        let [g_wte_emb, g_wpe]: [Tensor; 2] = g.try_into().expect("two gradients");
-        let mut grads = vec![g_wte_head + g_wte_emb, g_wpe];
-        grads.extend(block_grads.into_iter().rev().flatten());
-        grads.extend([g_lnw, g_lnb]);
+        let grads = grads.into_iter().map(|g| g.expect("every parameter has a gradient")).collect();
         Ok(TpStep { loss, grads, comm: pg.stats().since(&before) })
     }
 

@@ -24,6 +24,7 @@
 
 mod block;
 mod gpt;
+mod stages;
 pub(crate) use block::layer_norm;
 pub use block::TpBlock;
 pub use gpt::{TpGpt, TpStep};

@@ -78,14 +78,17 @@ pub struct ScalingConfig {
     #[serde(default)]
     pub offload: bool,
     /// Tensor-parallel group size (lesson 12): the world as (n/t) × t, data parallel over the
-    /// rows (with `strategy: Ddp`), [`TpGpt`](crate::tp::TpGpt) within each; default 1 (none).
+    /// rows (`strategy`: DDP or ZeRO 1/2/3), [`TpGpt`](crate::tp::TpGpt) within each; default 1
+    /// (none). Laid out by [`ParallelDims`](crate::engine::ParallelDims) and run by the engine.
     #[serde(default = "one")]
     pub tensor_parallel: usize,
     /// With `tensor_parallel > 1`: sequence parallelism ([`TpGpt::with_sequence_parallel`](crate::tp::TpGpt::with_sequence_parallel)).
     #[serde(default)]
     pub sequence_parallel: bool,
-    /// Pipeline parallelism (lesson 13): the world as (n/p) × p, data parallel over the rows
-    /// (with `strategy: Ddp`), a p-rank pipeline within each; default 1 stage (none).
+    /// Pipeline parallelism (lesson 13): the world as p × (n/p) (pp × dp), each column a p-rank
+    /// pipeline, each row the data-parallel replicas of one stage (`strategy`: DDP or ZeRO
+    /// 1/2/3); default 1 stage (none). Laid out by [`ParallelDims`](crate::engine::ParallelDims)
+    /// and run by the engine.
     #[serde(default)]
     pub pipeline: crate::pipeline::PipelineConfig,
     pub comm: CommConfig,
