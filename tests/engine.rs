@@ -51,7 +51,7 @@ fn weights(path: &Path) -> Vec<(String, Tensor)> {
     w
 }
 
-fn check(name: &str, got: &RunSummary, want: &RunSummary, dir: &Path, file: &str) {
+fn check(name: &str, got: &RunSummary, want: &RunSummary, dir: &Path, file: &str, reference: &str) {
     assert_eq!(got.losses.len(), want.losses.len(), "{name}: steps");
     for (s, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
         assert!((a - b).abs() <= 1e-5 * b.abs(), "{name} step {s}: loss {a}, one process {b}");
@@ -62,7 +62,7 @@ fn check(name: &str, got: &RunSummary, want: &RunSummary, dir: &Path, file: &str
     for (s, (a, b)) in got.grad_norms.iter().zip(&want.grad_norms).enumerate() {
         assert!((a - b).abs() <= 1e-5 * b.abs(), "{name} step {s}: gradient norm {a}, one process {b}");
     }
-    let (ours, theirs) = (weights(&dir.join(file)), weights(&dir.join("one.safetensors")));
+    let (ours, theirs) = (weights(&dir.join(file)), weights(&dir.join(reference)));
     assert_eq!(ours.len(), theirs.len(), "{name}: the saved tensors");
     for ((n, a), (m, b)) in ours.iter().zip(&theirs) {
         assert_eq!(n, m, "{name}: the saved names");
@@ -76,24 +76,31 @@ fn every_layout_trains_like_one_process() {
     let dir = std::env::temp_dir().join(format!("shardlab-engine-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     corpus(&dir);
-    let one = job(&dir, 8, "one.safetensors")
-        .fit(ScalingConfig { num_workers: 1, strategy: Strategy::Single, ..ScalingConfig::default() }, false, false)
-        .unwrap();
+    // One process on the global batch of 4 ranks × 2 rows, and of 6 ranks × 2 rows.
+    let single = ScalingConfig { num_workers: 1, strategy: Strategy::Single, ..ScalingConfig::default() };
+    let one8 = job(&dir, 8, "one8.safetensors").fit(single.clone(), false, false).unwrap();
+    let one12 = job(&dir, 12, "one12.safetensors").fit(single, false, false).unwrap();
     let pp2 = PipelineConfig { stages: 2, micro_batches: 2, schedule: Schedule::OneFOneB };
     let gpipe = PipelineConfig { stages: 2, micro_batches: 4, schedule: Schedule::GPipe };
     let (none, full) = (Checkpointing::None, Checkpointing::Full);
-    let layouts: [(&str, Strategy, usize, PipelineConfig, bool, Checkpointing); 6] = [
-        ("zero3:dp2×tp2", Strategy::Zero3, 2, PipelineConfig::default(), false, none),
-        ("zero2:dp2×tp2", Strategy::Zero2, 2, PipelineConfig::default(), false, none),
-        ("ddp2×tp2+sp", Strategy::Ddp, 2, PipelineConfig::default(), true, none),
-        ("zero1:dp2×pp2", Strategy::Zero1, 1, pp2, false, none),
-        ("zero3:dp2×pp2", Strategy::Zero3, 1, pp2, false, none),
-        ("zero2:dp2×pp2", Strategy::Zero2, 1, gpipe, false, full),
+    // Three replicas: three-way sums, whose order matters to the last bit — the copies of a
+    // replicated tensor (every tensor rank's LayerNorms, the first and last stage's tied wte) must
+    // still stay bitwise equal (the saves check it).
+    let pp3 = PipelineConfig { stages: 2, micro_batches: 4, schedule: Schedule::OneFOneB };
+    let layouts: [(&str, Strategy, usize, PipelineConfig, bool, Checkpointing, usize); 8] = [
+        ("zero3:dp2×tp2", Strategy::Zero3, 2, PipelineConfig::default(), false, none, 4),
+        ("zero2:dp2×tp2", Strategy::Zero2, 2, PipelineConfig::default(), false, none, 4),
+        ("ddp2×tp2+sp", Strategy::Ddp, 2, PipelineConfig::default(), true, none, 4),
+        ("zero1:dp2×pp2", Strategy::Zero1, 1, pp2, false, none, 4),
+        ("zero3:dp2×pp2", Strategy::Zero3, 1, pp2, false, none, 4),
+        ("zero2:dp2×pp2", Strategy::Zero2, 1, gpipe, false, full, 4),
+        ("zero2:dp3×tp2", Strategy::Zero2, 2, PipelineConfig::default(), false, none, 6),
+        ("zero1:dp3×pp2", Strategy::Zero1, 1, pp3, false, none, 6),
     ];
     let mut held = Vec::new();
-    for (name, strategy, tp, pipeline, sequence_parallel, activation_checkpointing) in layouts {
+    for (name, strategy, tp, pipeline, sequence_parallel, activation_checkpointing, n) in layouts {
         let s = ScalingConfig {
-            num_workers: 4,
+            num_workers: n,
             strategy,
             tensor_parallel: tp,
             sequence_parallel,
@@ -104,7 +111,8 @@ fn every_layout_trains_like_one_process() {
         let file = format!("{}.safetensors", name.replace([':', '×', '+'], "-"));
         let r = job(&dir, 2, &file).fit(s, false, false).unwrap_or_else(|e| panic!("{name}: {e:#}"));
         assert_eq!(r.strategy, name);
-        check(name, &r, &one, &dir, &file);
+        let (one, reference) = if n == 4 { (&one8, "one8.safetensors") } else { (&one12, "one12.safetensors") };
+        check(name, &r, one, &dir, &file, reference);
         assert!(r.bytes_sent_per_step > 0.0, "{name}: the mesh's bytes are counted");
         held.push((name, r.memory));
     }
@@ -113,6 +121,16 @@ fn every_layout_trains_like_one_process() {
     let (z3, z2) = (&held[0].1, &held[1].1);
     assert!(z3.params < z2.params, "zero3 × tp 2 holds {} parameter bytes, zero2 × tp 2 {}", z3.params, z2.params);
     assert!(z3.optim == z2.optim && z3.optim > 0, "both shard AdamW's state: {} and {}", z3.optim, z2.optim);
+    // During a step ZeRO-3 gathers the piece and its backward gives every gradient at once: the
+    // step's transient peak is above what it keeps (the piece's parameters and gradients, from
+    // the tensors); ZeRO-2's holds the gradients and their flat copy.
+    assert!(z3.peak_transient > 2 * z3.params, "zero3 × tp 2: peak {} vs {} held", z3.peak_transient, z3.params);
+    assert!(
+        z2.peak_transient > z2.grads,
+        "zero2 × tp 2: peak {} vs {} gradient bytes held",
+        z2.peak_transient,
+        z2.grads
+    );
     // Refused on every rank, with the reason: what is not built.
     let refused = |tp: usize, pipeline: PipelineConfig, activation_checkpointing| {
         let s = ScalingConfig {

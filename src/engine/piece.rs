@@ -28,6 +28,12 @@ pub trait Piece {
     /// model-parallel dimensions (a split slice on every rank that holds a slice, a replicated or
     /// tied tensor on one of its holders).
     fn counted(&self, mesh: &DeviceMesh) -> Vec<bool>;
+    /// How ZeRO groups the parameters into flat units (positions in [`params`](Self::params)),
+    /// and whether this rank counts each unit's gradients in the global norm: the same units, in
+    /// the same order, on every rank that holds copies of the same tensors, so that the copies'
+    /// shards have the same owners and stay bitwise equal (see
+    /// [`ShardedTensors::new`](crate::zero::ShardedTensors::new)).
+    fn units(&self, mesh: &DeviceMesh) -> Vec<(Vec<usize>, bool)>;
     /// Forward and backward of this replica's `batch` (the same on every rank of the piece).
     fn forward_backward(&mut self, mesh: &DeviceMesh, batch: &Batch) -> CommResult<PieceStep>;
     /// The whole model's parameters (the GPT's order) on the ranks of the piece that end up with
@@ -44,12 +50,39 @@ impl Piece for TpGpt {
         let first = mesh.coord("tp") == 0;
         (0..self.params().len()).map(|i| self.is_split(i) || first).collect()
     }
+    /// The split tensors (counted on every tensor rank), then the replicated ones (the same on
+    /// every tensor rank; counted on rank 0).
+    fn units(&self, mesh: &DeviceMesh) -> Vec<(Vec<usize>, bool)> {
+        let idx: Vec<usize> = self.indexed_params().into_iter().map(|(k, _)| k).collect();
+        let (split, rep): (Vec<usize>, Vec<usize>) = (0..idx.len()).partition(|&j| self.is_split(idx[j]));
+        vec![(split, true), (rep, mesh.coord("tp") == 0)]
+    }
     fn forward_backward(&mut self, mesh: &DeviceMesh, batch: &Batch) -> CommResult<PieceStep> {
         let s = TpGpt::forward_backward(self, mesh.group("tp"), batch)?;
         Ok(PieceStep { loss: s.loss, grads: s.grads, pipeline: None })
     }
     fn gather_whole(&self, mesh: &DeviceMesh) -> CommResult<Option<Vec<Tensor>>> {
-        Ok(Some(self.unshard(mesh.group("tp"), &self.params())?))
+        // The replicated tensors must be equal on every tensor rank (each updated its own copy
+        // from the same gradients): tp rank 0's copy against this rank's.
+        let tp = mesh.group("tp");
+        let mut differ = None;
+        for (k, p) in self.indexed_params().into_iter().filter(|(k, _)| !self.is_split(*k)) {
+            let mut first = p.detach().copy();
+            tp.broadcast(&mut first, 0)?;
+            if differ.is_none() && !first.equal(&p) {
+                differ = Some((k, (&first - &p).abs().max().double_value(&[])));
+            }
+        }
+        // Every rank takes part in every collective, equal copies or not (the caller agrees on
+        // the outcome).
+        let full = self.unshard(tp, &self.params())?;
+        match differ {
+            Some((k, d)) => Err(CommError::Protocol(format!(
+                "rank {}: the tensor-parallel copies of parameter {k} differ by up to {d}",
+                tp.rank()
+            ))),
+            None => Ok(Some(full)),
+        }
     }
 }
 
@@ -92,6 +125,13 @@ impl Piece for PipelinePiece {
     }
     fn counted(&self, mesh: &DeviceMesh) -> Vec<bool> {
         self.mine.iter().map(|&k| self.lowest(k) == Some(mesh.coord("pp"))).collect()
+    }
+    /// The tied embedding alone (the same unit on the first and the last stage; counted on the
+    /// first), then the rest (used by this rank alone).
+    fn units(&self, mesh: &DeviceMesh) -> Vec<(Vec<usize>, bool)> {
+        let (tied, rest): (Vec<usize>, Vec<usize>) = (0..self.mine.len()).partition(|&j| self.mine[j] == 0);
+        let counts_tied = self.lowest(0) == Some(mesh.coord("pp"));
+        vec![(tied, counts_tied), (rest, true)]
     }
     fn forward_backward(&mut self, mesh: &DeviceMesh, batch: &Batch) -> CommResult<PieceStep> {
         let pp = mesh.group("pp");

@@ -37,6 +37,11 @@ pub struct Engine {
     shards: Option<ShardedTensors>,
     /// DDP: bytes of the last step's gradients (they live only during a step), measured.
     last_grad_bytes: u64,
+    /// ZeRO-3: bytes of the piece's parameters gathered for the last step.
+    gathered: u64,
+    /// The most bytes a step held besides what is kept between steps (ZeRO: the piece's
+    /// gradients with the gathered parameters, or with the flat copy reduced from), measured.
+    peak_transient: u64,
 }
 
 /// What one step gives, the same on every rank.
@@ -97,24 +102,36 @@ pub fn parallelize(
         ),
     }
     let mesh = dims.mesh(pg)?;
-    let piece: Box<dyn Piece> = if dims.pp > 1 {
-        let owned = crate::pipeline::train::params_of_ranks(cfg, dims.pp).map_err(anyhow::Error::msg)?;
-        let mine = owned[mesh.coord("pp")].clone();
-        let gpt = build(&|k| mine.binary_search(&k).is_ok())?;
-        let piece = PipelinePiece::new(gpt, pipeline, mesh.coord("pp")).map_err(anyhow::Error::msg)?;
-        Box::new(piece.recompute(ac == Checkpointing::Full))
-    } else {
-        let full = build(&|_| true)?;
-        let m = TpGpt::from_gpt(&full, mesh.group("tp")).map_err(|e| anyhow::anyhow!("--tp {}: {e}", dims.tp))?;
-        Box::new(m.with_sequence_parallel(sequence_parallel))
-    };
-    let shards = match data {
-        DataDim::Replicate => None,
-        DataDim::Zero(stage) => {
-            Some(ShardedTensors::new(mesh.group("dp"), piece.params(), &piece.counted(&mesh), stage)?)
+    // From here an error on one rank (a weights file it cannot read, say) aborts the mesh, so
+    // that no other rank waits for it in the broadcasts below or in the first step.
+    let built = (|| -> anyhow::Result<(Box<dyn Piece>, Option<ShardedTensors>)> {
+        let piece: Box<dyn Piece> = if dims.pp > 1 {
+            let owned = crate::pipeline::train::params_of_ranks(cfg, dims.pp).map_err(anyhow::Error::msg)?;
+            let mine = owned[mesh.coord("pp")].clone();
+            let gpt = build(&|k| mine.binary_search(&k).is_ok())?;
+            let piece = PipelinePiece::new(gpt, pipeline, mesh.coord("pp")).map_err(anyhow::Error::msg)?;
+            Box::new(piece.recompute(ac == Checkpointing::Full))
+        } else {
+            let full = build(&|_| true)?;
+            let m = TpGpt::from_gpt(&full, mesh.group("tp")).map_err(|e| anyhow::anyhow!("--tp {}: {e}", dims.tp))?;
+            Box::new(m.with_sequence_parallel(sequence_parallel))
+        };
+        let shards = match data {
+            DataDim::Replicate => None,
+            DataDim::Zero(stage) => {
+                Some(ShardedTensors::new(mesh.group("dp"), piece.params(), &piece.units(&mesh), stage)?)
+            }
+        };
+        Ok((piece, shards))
+    })();
+    let (piece, shards) = match built {
+        Ok(b) => b,
+        Err(e) => {
+            let e = abort(&mesh, CommError::InvalidArgument(format!("{e:#}")));
+            return Err(anyhow::Error::new(e));
         }
     };
-    Ok(Engine { dims, mesh, piece, shards, last_grad_bytes: 0 })
+    Ok(Engine { dims, mesh, piece, shards, last_grad_bytes: 0, gathered: 0, peak_transient: 0 })
 }
 
 impl Engine {
@@ -130,7 +147,7 @@ impl Engine {
         let dp = self.mesh.group("dp");
         let mut run = || {
             if let Some(s) = self.shards.as_mut() {
-                s.gather(dp)?;
+                self.gathered = s.gather(dp)?;
             }
             self.piece.forward_backward(&self.mesh, batch)
         };
@@ -175,9 +192,12 @@ impl Engine {
                 Held { params, grads, decay, counted }
             }
             Some(s) => {
+                let grad_bytes = held_bytes(grads.iter());
                 let r = s.reduce(dp, &grads);
                 drop(grads);
-                r.map_err(|e| abort(&self.mesh, e))?;
+                let flat = r.map_err(|e| abort(&self.mesh, e))?;
+                let peak = grad_bytes + flat.max(self.gathered);
+                self.peak_transient = self.peak_transient.max(peak);
                 s.held()
             }
         };
@@ -219,18 +239,31 @@ impl Engine {
         if let Some(s) = self.shards.as_mut() {
             s.release();
         }
-        r.map_err(|e| abort(&self.mesh, e))
+        // Every rank learns whether every rank got through (a rank that sent its part and left
+        // would not see the gatherer fail).
+        let failed = Tensor::from_slice(&[r.is_err() as u8 as f64]);
+        let anyone =
+            groups(&self.mesh).iter().try_fold(failed, |mut t, g| g.all_reduce(&mut t, ReduceOp::Sum).map(|_| t));
+        match (r, anyone) {
+            (Err(e), _) | (Ok(_), Err(e)) => Err(abort(&self.mesh, e)),
+            (Ok(_), Ok(n)) if n.double_value(&[0]) > 0.0 => Err(CommError::Protocol(
+                "another rank failed while gathering the whole model; nothing was written".into(),
+            )),
+            (Ok(full), Ok(_)) => Ok(full),
+        }
     }
 
     /// Bytes this rank holds between steps, from its tensors: the piece's parameters (ZeRO: its
     /// full buffers and master shards), its gradients (DDP: the last step's, which live during a
-    /// step; ZeRO: the kept flat gradients and the shards) and `opt`'s state.
+    /// step; ZeRO: the kept flat gradients and the shards) and `opt`'s state; and (ZeRO) the
+    /// transient peak of a step: the piece's gradients, which its backward gives all at once, with
+    /// the parameters gathered for it (stage 3) or the flat copy reduced from (stages 2–3).
     pub fn memory(&self, opt: &dyn Optimizer) -> MemoryStats {
         let (params, grads) = match &self.shards {
             Some(s) => s.held_bytes(),
             None => (held_bytes(self.piece.params().iter()), self.last_grad_bytes),
         };
-        MemoryStats { params, grads, optim: opt.state_bytes(), ..Default::default() }
+        MemoryStats { params, grads, optim: opt.state_bytes(), peak_transient: self.peak_transient, offloaded: 0 }
     }
 
     /// What the optimizer steps on this rank: the piece's parameters (DDP) or its master shards

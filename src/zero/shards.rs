@@ -62,26 +62,45 @@ fn empty() -> Tensor {
 }
 
 impl ShardedTensors {
-    /// Shard `params` (handles to the piece's fp32 CPU tensors; `counted[i]`: parameter i's
-    /// gradient counts in the global norm on this rank) over `pg` for `stage`. Rank 0's values are
-    /// broadcast first, as [`Zero::new`](super::Zero::new) does. Every rank of `pg` calls it with
-    /// the same shapes.
-    pub fn new(pg: &ProcessGroup, mut params: Vec<Tensor>, counted: &[bool], stage: Stage) -> CommResult<Self> {
+    /// Shard `params` (handles to the piece's fp32 CPU tensors) over `pg` for `stage`, in the flat
+    /// `units` given (indices into `params`, and whether this rank counts the unit's gradients in
+    /// the global norm). Ranks that hold copies of the same tensors (a replicated tensor on every
+    /// tensor-parallel rank, the tied embedding on two pipeline stages) must lay them out in the
+    /// same units at the same places: their shards then have the same owners, so the reductions
+    /// add in the same order and the copies stay bitwise equal. Rank 0's values are broadcast
+    /// first, as [`Zero::new`](super::Zero::new) does. Every rank of `pg` calls it with the same
+    /// shapes.
+    pub fn new(
+        pg: &ProcessGroup,
+        mut params: Vec<Tensor>,
+        units: &[(Vec<usize>, bool)],
+        stage: Stage,
+    ) -> CommResult<Self> {
         let bad = |m: String| CommError::InvalidArgument(format!("rank {}: ZeRO over a piece: {m}", pg.rank()));
-        if counted.len() != params.len() {
-            return Err(bad(format!("{} parameters, {} counted flags", params.len(), counted.len())));
+        let mut seen = vec![0usize; params.len()];
+        let mut outside = false;
+        for &i in units.iter().flat_map(|(idx, _)| idx) {
+            match seen.get_mut(i) {
+                Some(c) => *c += 1,
+                None => outside = true,
+            }
         }
-        if let Some(p) = params.iter().find(|p| p.kind() != Kind::Float || p.device() != tch::Device::Cpu) {
-            return Err(bad(format!("fp32 CPU parameters only, not {:?} on {:?}", p.kind(), p.device())));
+        let local = if outside || seen.iter().any(|&c| c != 1) {
+            Some(format!("the units must hold each of the {} parameters once", params.len()))
+        } else {
+            params
+                .iter()
+                .find(|p| p.kind() != Kind::Float || p.device() != tch::Device::Cpu)
+                .map(|p| format!("fp32 CPU parameters only, not {:?} on {:?}", p.kind(), p.device()))
+        };
+        if let Some(m) = local {
+            return Err(bad(m));
         }
         tch::no_grad(|| params.iter_mut().try_for_each(|p| pg.broadcast(p, 0)))?;
         let (n, rank) = (pg.world_size(), pg.rank());
-        let mut units = Vec::new();
-        for want in [true, false] {
-            let idx: Vec<usize> = (0..params.len()).filter(|&i| counted[i] == want).collect();
-            if idx.is_empty() {
-                continue;
-            }
+        let mut units_out = Vec::new();
+        for (idx, counted) in units.iter().filter(|(idx, _)| !idx.is_empty()) {
+            let (idx, want) = (idx.clone(), *counted);
             let layout = FlatLayout::new(idx.iter().map(|&i| params[i].size()).collect(), n);
             let flat = layout.flatten(&idx.iter().map(|&i| params[i].shallow_clone()).collect::<Vec<_>>());
             let r = layout.shard_range(rank);
@@ -102,7 +121,7 @@ impl ShardedTensors {
                     }
                 }
             }
-            units.push(Unit {
+            units_out.push(Unit {
                 grad_shard: Tensor::zeros([layout.shard], (Kind::Float, tch::Device::Cpu)),
                 grad_full: (stage == Stage::One).then(|| layout.zeros()),
                 idx,
@@ -113,28 +132,29 @@ impl ShardedTensors {
                 counted: want,
             });
         }
-        Ok(ShardedTensors { stage, params, units })
+        Ok(ShardedTensors { stage, params, units: units_out })
     }
 
     pub fn stage(&self) -> Stage {
         self.stage
     }
 
-    /// Stage 3: all-gather every unit and point the parameters at it (before forward). Stages
-    /// 1–2 hold the full parameters: nothing to do.
-    pub fn gather(&mut self, pg: &ProcessGroup) -> CommResult<()> {
+    /// Stage 3: all-gather every unit and point the parameters at it (before forward); returns
+    /// the bytes gathered (held until [`release`](Self::release)). Stages 1–2 hold the full
+    /// parameters: nothing to do.
+    pub fn gather(&mut self, pg: &ProcessGroup) -> CommResult<u64> {
         if self.stage != Stage::Three {
-            return Ok(());
+            return Ok(0);
         }
         for u in &mut self.units {
-            let mut full = u.layout.zeros();
+            let mut full = Tensor::empty([u.layout.padded], (Kind::Float, tch::Device::Cpu));
             pg.all_gather(&mut full, &u.shard)?;
             tch::no_grad(|| {
                 u.idx.iter().enumerate().for_each(|(j, &i)| self.params[i].set_data(&u.layout.view(&full, j)))
             });
             u.full = Some(full);
         }
-        Ok(())
+        Ok(held_bytes(self.units.iter().flat_map(|u| u.full.iter())))
     }
 
     /// Stage 3: free the gathered parameters (after backward; also after a failed step).
@@ -150,8 +170,9 @@ impl ShardedTensors {
 
     /// Average `grads` (one per parameter, in the order given to [`new`](Self::new)) over `pg`
     /// into this rank's gradient shards: each unit's gradients flattened (stage 1: into its kept
-    /// flat buffer, zeroed after), reduce-scattered with the average.
-    pub fn reduce(&mut self, pg: &ProcessGroup, grads: &[Tensor]) -> CommResult<()> {
+    /// flat buffer, zeroed after), reduce-scattered with the average. Returns the bytes of the
+    /// largest flat copy it made (stages 2–3; freed before it returns).
+    pub fn reduce(&mut self, pg: &ProcessGroup, grads: &[Tensor]) -> CommResult<u64> {
         if grads.len() != self.params.len() {
             return Err(CommError::InvalidArgument(format!(
                 "rank {}: ZeRO over a piece: {} gradients for {} parameters",
@@ -160,6 +181,7 @@ impl ShardedTensors {
                 self.params.len()
             )));
         }
+        let mut transient = 0;
         for u in &mut self.units {
             let g: Vec<Tensor> = u.idx.iter().map(|&i| grads[i].shallow_clone()).collect();
             let flat = match &u.grad_full {
@@ -169,14 +191,18 @@ impl ShardedTensors {
                     }
                     kept.shallow_clone()
                 }
-                None => u.layout.flatten(&g),
+                None => {
+                    let f = u.layout.flatten(&g);
+                    transient = transient.max(held_bytes([&f]));
+                    f
+                }
             };
             pg.reduce_scatter(&mut u.grad_shard, &flat, ReduceOp::Avg)?;
             if u.grad_full.is_some() {
                 let _ = flat.shallow_clone().zero_();
             }
         }
-        Ok(())
+        Ok(transient)
     }
 
     /// What the optimizer steps on this rank: one slot per unit — the master shard, its averaged
