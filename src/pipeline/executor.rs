@@ -85,8 +85,120 @@ pub fn pipeline_step_with(
     recompute: bool,
 ) -> CommResult<PipelineStep> {
     let (p, r) = (pg.world_size(), pg.rank());
+    let parts =
+        partition(model.num_stages(), p).map_err(|m| CommError::InvalidArgument(format!("rank {r}: pipeline: {m}")))?;
+    let uses = model.stage_uses();
+    let mut my_params: Vec<usize> = parts[r].clone().flat_map(|s| uses[s].iter().copied()).collect();
+    my_params.sort_unstable();
+    my_params.dedup();
+    let mut runner = Autograd {
+        model,
+        mine: parts[r].clone(),
+        params: model.parameters(),
+        my_params,
+        recompute,
+        hidden,
+        saved: BTreeMap::new(),
+    };
+    run_pipeline(pg, &mut runner, &uses, kind, batch, micro_batches)
+}
+
+/// What a pipeline rank computes, one micro-batch at a time: the forward and backward of its
+/// stages. The executor ([`run_pipeline`]) moves the activations and their gradients between the
+/// ranks in the schedule's order. [`pipeline_step`] runs a [`Model`]'s stages with autograd; a
+/// tensor-parallel GPT's stages run their own backward (3-D parallelism, `crate::engine`).
+pub trait StageRunner {
+    /// The forward of micro-batch `mb` (its rows: `part`) through this rank's stages, from `x`,
+    /// the activation received from the previous rank (undefined on the first): the activation
+    /// to send on, or on the last rank the micro-batch's mean loss (a scalar).
+    fn forward(&mut self, mb: usize, x: Tensor, part: &Batch) -> CommResult<Tensor>;
+    /// The backward of micro-batch `mb` from `g_out`, the gradient of its output (on the last
+    /// rank the loss's weight, a scalar): this rank's parameter gradients (by index in the
+    /// model's `named_parameters`) and dL/dx to send back (none on the first rank).
+    fn backward(
+        &mut self,
+        mb: usize,
+        g_out: &Tensor,
+        part: &Batch,
+    ) -> CommResult<(Vec<(usize, Tensor)>, Option<Tensor>)>;
+    /// The shape of the (f32) activations between ranks for a micro-batch of `rows` rows of `t`
+    /// tokens.
+    fn activation(&self, rows: i64, t: i64) -> Vec<i64>;
+}
+
+/// A [`Model`]'s stages, with autograd: forward keeps each micro-batch's graph (or, recomputing,
+/// its input only), backward runs it from the received gradient.
+struct Autograd<'m> {
+    model: &'m dyn Model,
+    mine: Range<usize>,
+    params: Vec<Tensor>,
+    my_params: Vec<usize>,
+    recompute: bool,
+    hidden: i64,
+    /// Per micro-batch in flight: the input leaf (none on the first rank) and the output with its
+    /// graph (none when recomputed).
+    saved: BTreeMap<usize, (Option<Tensor>, Option<Tensor>)>,
+}
+
+impl Autograd<'_> {
+    fn chain(&self, x_leaf: &Option<Tensor>, part: &Batch) -> Tensor {
+        let mut x = x_leaf.as_ref().map_or_else(Tensor::new, |x| x.shallow_clone());
+        for s in self.mine.clone() {
+            x = self.model.stage_forward(s, &x, part);
+        }
+        x
+    }
+}
+
+impl StageRunner for Autograd<'_> {
+    fn forward(&mut self, mb: usize, x: Tensor, part: &Batch) -> CommResult<Tensor> {
+        let x_leaf = (self.mine.start > 0).then(|| x.set_requires_grad(true));
+        let out = if self.recompute { tch::no_grad(|| self.chain(&x_leaf, part)) } else { self.chain(&x_leaf, part) };
+        // Recomputed: keep the input only (the output, without a graph, is not kept).
+        self.saved.insert(mb, (x_leaf, (!self.recompute).then(|| out.shallow_clone())));
+        Ok(out)
+    }
+    fn backward(
+        &mut self,
+        mb: usize,
+        g_out: &Tensor,
+        part: &Batch,
+    ) -> CommResult<(Vec<(usize, Tensor)>, Option<Tensor>)> {
+        let (x_leaf, out) = self
+            .saved
+            .remove(&mb)
+            .ok_or_else(|| CommError::InvalidArgument(format!("backward of micro-batch {mb} before its forward")))?;
+        // Recomputed: the forward again, now with a graph, from the kept input.
+        let out = out.unwrap_or_else(|| self.chain(&x_leaf, part));
+        let mut wrt: Vec<&Tensor> = self.my_params.iter().map(|&k| &self.params[k]).collect();
+        if let Some(x) = &x_leaf {
+            wrt.push(x);
+        }
+        let surrogate = (&out * g_out).sum(Kind::Float);
+        let mut g = Tensor::run_backward(&[&surrogate], &wrt, false, false);
+        let dx = x_leaf.is_some().then(|| g.pop().expect("dL/dx"));
+        Ok((self.my_params.iter().copied().zip(g).collect(), dx))
+    }
+    fn activation(&self, rows: i64, t: i64) -> Vec<i64> {
+        vec![rows, t, self.hidden]
+    }
+}
+
+/// One training step's forward and backward over the pipeline `pg`: `runner` computes this rank's
+/// stages (`uses`: the parameters each of the model's stages uses, the same on every rank, for
+/// the tied parameters' exchange), `batch` cut into `micro_batches` equal micro-batches, in the
+/// order `kind` gives. Bad shapes are errors on every rank before anything is computed.
+pub fn run_pipeline(
+    pg: &ProcessGroup,
+    runner: &mut dyn StageRunner,
+    uses: &[Vec<usize>],
+    kind: Schedule,
+    batch: &Batch,
+    micro_batches: usize,
+) -> CommResult<PipelineStep> {
+    let (p, r) = (pg.world_size(), pg.rank());
     let bad = |m: String| CommError::InvalidArgument(format!("rank {r}: pipeline: {m}"));
-    let parts = partition(model.num_stages(), p).map_err(bad)?;
+    let parts = partition(uses.len(), p).map_err(bad)?;
     check(p, micro_batches).map_err(bad)?;
     let (rows, t) = batch.x.size2().map_err(|e| bad(format!("batch (B, T): {e}")))?;
     if rows % micro_batches as i64 != 0 {
@@ -104,30 +216,19 @@ pub fn pipeline_step_with(
     }
     let total: f64 = counts.iter().sum();
     let weight: Vec<f64> = counts.iter().map(|c| c / total).collect();
-    let mine = parts[r].clone();
     let last = r + 1 == p;
     // Which parameters each rank's stages use.
-    let uses = model.stage_uses();
     let used_by = |q: usize| -> Vec<usize> {
         let mut v: Vec<usize> = parts[q].clone().flat_map(|s| uses[s].iter().copied()).collect();
         v.sort_unstable();
         v.dedup();
         v
     };
-    let my_params = used_by(r);
-    let params = model.parameters();
     let mut grads: BTreeMap<usize, Tensor> = BTreeMap::new();
-    // This rank's stages on one micro-batch, from its input leaf (none on the first rank).
-    let forward = |x_leaf: &Option<Tensor>, part: &Batch| {
-        let mut x = x_leaf.as_ref().map_or_else(Tensor::new, |x| x.shallow_clone());
-        for s in mine.clone() {
-            x = model.stage_forward(s, &x, part);
-        }
-        x
-    };
-    let mut saved: Vec<Option<(Option<Tensor>, Option<Tensor>)>> = (0..micro_batches).map(|_| None).collect();
+    let mut in_flight = vec![false; micro_batches];
     let (mut held, mut peak, mut losses) = (0usize, 0usize, 0.0f64);
-    let act = |_: usize| Tensor::zeros([mb, t, hidden], (Kind::Float, batch.x.device()));
+    let shape = runner.activation(mb, t);
+    let act = || Tensor::zeros(shape.as_slice(), (Kind::Float, batch.x.device()));
     // A send may block until the receiver reads (a full socket or shared-memory ring; NCCL always
     // waits for its peer). Two neighbours that both send first deadlock: in 1F1B's steady state
     // rank r sends activation i while rank r + 1 sends it gradient j. So rank r holds an
@@ -147,26 +248,22 @@ pub fn pipeline_step_with(
         match op {
             Op::Forward(i) => {
                 let part = batch.rows(i as i64 * mb, (i as i64 + 1) * mb);
-                let x_leaf = if r == 0 {
-                    None
+                let x = if r == 0 {
+                    Tensor::new()
                 } else {
-                    let mut x = act(i);
+                    let mut x = act();
                     pg.recv(&mut x, r - 1)?; // (mb, T, hidden) from the previous stage
-                    Some(x.set_requires_grad(true))
+                    x
                 };
                 start = t0.elapsed().as_secs_f64();
-                let x = if recompute { tch::no_grad(|| forward(&x_leaf, &part)) } else { forward(&x_leaf, &part) };
+                let x = runner.forward(i, x, &part)?;
                 end = t0.elapsed().as_secs_f64();
                 if last {
                     losses += x.double_value(&[]) * weight[i];
                 } else {
-                    let want = [mb, t, hidden];
-                    if x.size() != want || x.kind() != Kind::Float {
-                        let e = format!(
-                            "stage output {:?} {:?}, but the pipeline sends (rows, T, hidden) = {want:?} f32",
-                            x.size(),
-                            x.kind()
-                        );
+                    if x.size() != shape || x.kind() != Kind::Float {
+                        let e =
+                            format!("stage output {:?} {:?}, but the pipeline sends {shape:?} f32", x.size(), x.kind());
                         pg.abort(&e);
                         return Err(bad(e));
                     }
@@ -180,19 +277,19 @@ pub fn pipeline_step_with(
                         pg.send(&x.detach(), r + 1)?;
                     }
                 }
-                // Recomputed: keep the input only (the output, without a graph, is dropped here).
-                saved[i] = Some((x_leaf, if recompute { None } else { Some(x) }));
+                in_flight[i] = true;
                 held += 1;
                 peak = peak.max(held);
             }
             Op::Backward(i) => {
-                let (x_leaf, out) =
-                    saved[i].take().ok_or_else(|| bad(format!("backward of micro-batch {i} before its forward")))?;
+                if !std::mem::take(&mut in_flight[i]) {
+                    return Err(bad(format!("backward of micro-batch {i} before its forward")));
+                }
                 let g_out = if last {
                     // The batch's mean over its targets: micro-batch i weighs its share of them.
                     Tensor::from(weight[i]).to_kind(Kind::Float)
                 } else {
-                    let mut g = act(i);
+                    let mut g = act();
                     pg.recv(&mut g, r + 1)?; // dL/d(our output) from the next stage
                                              // Now the activations held back for this gradient can go.
                     for (_, a) in held_back.drain(..) {
@@ -201,20 +298,12 @@ pub fn pipeline_step_with(
                     g
                 };
                 start = t0.elapsed().as_secs_f64();
-                // Recomputed: the forward again, now with a graph, from the kept input.
-                let out = out.unwrap_or_else(|| forward(&x_leaf, &batch.rows(i as i64 * mb, (i as i64 + 1) * mb)));
-                let mut wrt: Vec<&Tensor> = my_params.iter().map(|&k| &params[k]).collect();
-                if let Some(x) = &x_leaf {
-                    wrt.push(x);
-                }
-                let surrogate = (&out * &g_out).sum(Kind::Float);
-                let mut g = Tensor::run_backward(&[&surrogate], &wrt, false, false);
+                let (g, dx) = runner.backward(i, &g_out, &batch.rows(i as i64 * mb, (i as i64 + 1) * mb))?;
                 end = t0.elapsed().as_secs_f64();
-                if x_leaf.is_some() {
-                    let dx = g.pop().expect("dL/dx");
+                if let Some(dx) = dx {
                     pg.send(&dx, r - 1)?;
                 }
-                for (&k, gk) in my_params.iter().zip(g) {
+                for (k, gk) in g {
                     match grads.get_mut(&k) {
                         Some(acc) => drop(acc.g_add_(&gk)),
                         None => drop(grads.insert(k, gk)),
@@ -228,7 +317,8 @@ pub fn pipeline_step_with(
     let step_s = t0.elapsed().as_secs_f64();
     // Tied parameters used on several ranks: the lowest user collects the others' gradients,
     // sums them and sends the sum back (the GPT's embedding: ranks 0 and p − 1).
-    for k in 0..params.len() {
+    let n_params = uses.iter().flatten().map(|&k| k + 1).max().unwrap_or(0);
+    for k in 0..n_params {
         let users: Vec<usize> = (0..p).filter(|&q| used_by(q).contains(&k)).collect();
         if users.len() < 2 || !users.contains(&r) {
             continue;

@@ -32,7 +32,7 @@ mod executor;
 mod schedule;
 pub mod train;
 
-pub use executor::{partition, pipeline_step, pipeline_step_with, PipelineStep};
+pub use executor::{partition, pipeline_step, pipeline_step_with, run_pipeline, PipelineStep, StageRunner};
 pub use schedule::{
     ascii_diagram, bubble_fraction, check, schedule, simulate, simulate_plans, Op, PipelineConfig, Schedule, Slot,
     Timeline,
