@@ -8,8 +8,10 @@
 //!
 //! The layouts put ZeRO on the data dimension of tensor- and pipeline-parallel pieces (torchtitan's
 //! FSDP + TP), which the data-parallel strategies alone cannot: zero3 × tp 2, zero2 × tp 2,
-//! zero1 × pp 2, zero3 × pp 2, DDP × tp 2 with sequence parallelism, and zero2 × pp 2 in GPipe with
-//! activation checkpointing (each pipeline rank recomputes its stages in backward).
+//! zero1 × pp 2, zero3 × pp 2, DDP × tp 2 with sequence parallelism, zero2 × pp 2 in GPipe with
+//! activation checkpointing (each pipeline rank recomputes its stages in backward), three replicas
+//! (dp 3: three-way sums), and 3-D parallelism: dp 2 × tp 2 × pp 2 on 8 ranks with DDP and with
+//! ZeRO-2, and tp 2 with sequence parallelism × pp 2.
 
 use shardlab::data::{synthetic_corpus, Tokens};
 use shardlab::job::{DataSource, GptJob, RunSummary};
@@ -76,10 +78,11 @@ fn every_layout_trains_like_one_process() {
     let dir = std::env::temp_dir().join(format!("shardlab-engine-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     corpus(&dir);
-    // One process on the global batch of 4 ranks × 2 rows, and of 6 ranks × 2 rows.
+    // One process on the global batch of 4, 6 and 8 ranks × 2 rows.
     let single = ScalingConfig { num_workers: 1, strategy: Strategy::Single, ..ScalingConfig::default() };
     let one8 = job(&dir, 8, "one8.safetensors").fit(single.clone(), false, false).unwrap();
-    let one12 = job(&dir, 12, "one12.safetensors").fit(single, false, false).unwrap();
+    let one12 = job(&dir, 12, "one12.safetensors").fit(single.clone(), false, false).unwrap();
+    let one16 = job(&dir, 16, "one16.safetensors").fit(single, false, false).unwrap();
     let pp2 = PipelineConfig { stages: 2, micro_batches: 2, schedule: Schedule::OneFOneB };
     let gpipe = PipelineConfig { stages: 2, micro_batches: 4, schedule: Schedule::GPipe };
     let (none, full) = (Checkpointing::None, Checkpointing::Full);
@@ -87,7 +90,7 @@ fn every_layout_trains_like_one_process() {
     // replicated tensor (every tensor rank's LayerNorms, the first and last stage's tied wte) must
     // still stay bitwise equal (the saves check it).
     let pp3 = PipelineConfig { stages: 2, micro_batches: 4, schedule: Schedule::OneFOneB };
-    let layouts: [(&str, Strategy, usize, PipelineConfig, bool, Checkpointing, usize); 8] = [
+    let layouts: [(&str, Strategy, usize, PipelineConfig, bool, Checkpointing, usize); 11] = [
         ("zero3:dp2×tp2", Strategy::Zero3, 2, PipelineConfig::default(), false, none, 4),
         ("zero2:dp2×tp2", Strategy::Zero2, 2, PipelineConfig::default(), false, none, 4),
         ("ddp2×tp2+sp", Strategy::Ddp, 2, PipelineConfig::default(), true, none, 4),
@@ -96,6 +99,10 @@ fn every_layout_trains_like_one_process() {
         ("zero2:dp2×pp2", Strategy::Zero2, 1, gpipe, false, full, 4),
         ("zero2:dp3×tp2", Strategy::Zero2, 2, PipelineConfig::default(), false, none, 6),
         ("zero1:dp3×pp2", Strategy::Zero1, 1, pp3, false, none, 6),
+        // 3-D: each pipeline rank's stages split over its tensor-parallel pair.
+        ("ddp2×tp2×pp2", Strategy::Ddp, 2, pp2, false, none, 8),
+        ("zero2:dp2×tp2×pp2", Strategy::Zero2, 2, pp2, false, none, 8),
+        ("tp2+sp×pp2", Strategy::Ddp, 2, PipelineConfig { micro_batches: 4, ..gpipe }, true, none, 4),
     ];
     let mut held = Vec::new();
     for (name, strategy, tp, pipeline, sequence_parallel, activation_checkpointing, n) in layouts {
@@ -111,7 +118,11 @@ fn every_layout_trains_like_one_process() {
         let file = format!("{}.safetensors", name.replace([':', '×', '+'], "-"));
         let r = job(&dir, 2, &file).fit(s, false, false).unwrap_or_else(|e| panic!("{name}: {e:#}"));
         assert_eq!(r.strategy, name);
-        let (one, reference) = if n == 4 { (&one8, "one8.safetensors") } else { (&one12, "one12.safetensors") };
+        let (one, reference) = match n {
+            4 => (&one8, "one8.safetensors"),
+            6 => (&one12, "one12.safetensors"),
+            _ => (&one16, "one16.safetensors"),
+        };
         check(name, &r, one, &dir, &file, reference);
         assert!(r.bytes_sent_per_step > 0.0, "{name}: the mesh's bytes are counted");
         held.push((name, r.memory));
@@ -146,7 +157,7 @@ fn every_layout_trains_like_one_process() {
     assert!(e.contains("--activation-checkpointing full with --tp is not built yet"), "{e}");
     let e = refused(1, pp2, Checkpointing::Every(2));
     assert!(e.contains("a pipeline rank recomputes its stages whole"), "{e}");
-    let e = refused(2, pp2, none);
-    assert!(e.contains("--tp with --pp (3-D parallelism) is not built yet"), "{e}");
+    let e = refused(2, pp2, full);
+    assert!(e.contains("--activation-checkpointing full with --tp is not built yet"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -9,9 +9,10 @@
 //! ([`Piece`]) and wraps it for the data dimension:
 //!
 //! 1. **tensor parallelism** over `tp` ([`TpGpt`](crate::tp::TpGpt): blocks split by heads,
-//!    vocab-parallel embedding and loss; sequence parallelism optional), or
+//!    vocab-parallel embedding and loss; sequence parallelism optional), and/or
 //! 2. **pipeline parallelism** over `pp` ([`PipelinePiece`]: this rank's stages, micro-batches in
-//!    a schedule) — the two together (3-D parallelism) are not built yet;
+//!    a schedule) — both together ([`TpPipelinePiece`], 3-D parallelism): a pipeline rank's
+//!    stages split over its tensor-parallel group;
 //! 3. over `dp`, **DDP** (gradients averaged, every replica holds its piece whole) or **ZeRO
 //!    1/2/3** ([`ShardedTensors`](crate::zero::ShardedTensors): the piece's parameters, gradients
 //!    and AdamW state sharded over `dp`).
@@ -27,13 +28,15 @@
 //! ([`crate::ddp`], [`crate::zero`]), which overlap communication with backward block by block.
 //!
 //! Files: this one (the layout), `piece.rs` (what a piece is; tensor and pipeline pieces),
-//! `step.rs` (the engine and its step).
+//! `tp_pipeline.rs` (the 3-D piece), `step.rs` (the engine and its step).
 
 mod piece;
 mod step;
+mod tp_pipeline;
 
 pub use piece::{Piece, PieceStep, PipelinePiece};
 pub use step::{parallelize, Engine, Trained};
+pub use tp_pipeline::{TpPipelinePiece, TpStages};
 
 use crate::comm::{CommResult, DeviceMesh, ProcessGroup};
 use crate::pipeline::PipelineConfig;

@@ -2,11 +2,12 @@
 //! it runs its forward and backward — a tensor-parallel GPT ([`TpGpt`]) or a pipeline rank's
 //! stages ([`PipelinePiece`]). The engine wraps a piece for the data dimension and steps it.
 
-use crate::comm::{CommError, CommResult, DeviceMesh};
-use crate::model::{Batch, Gpt, Model};
+use crate::comm::{CommError, CommResult, DeviceMesh, ProcessGroup};
+use crate::model::{Batch, Gpt, GptConfig, Model};
 use crate::pipeline::train::params_of_ranks;
 use crate::pipeline::{pipeline_step_with, PipelineConfig};
 use crate::tp::TpGpt;
+use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
 /// What one forward and backward of a piece gives.
@@ -65,22 +66,12 @@ impl Piece for TpGpt {
         // The replicated tensors must be equal on every tensor rank (each updated its own copy
         // from the same gradients): tp rank 0's copy against this rank's.
         let tp = mesh.group("tp");
-        let mut differ = None;
-        for (k, p) in self.indexed_params().into_iter().filter(|(k, _)| !self.is_split(*k)) {
-            let mut first = p.detach().copy();
-            tp.broadcast(&mut first, 0)?;
-            if differ.is_none() && !first.equal(&p) {
-                differ = Some((k, (&first - &p).abs().max().double_value(&[])));
-            }
-        }
         // Every rank takes part in every collective, equal copies or not (the caller agrees on
         // the outcome).
+        let differ = self.replicas_differ(tp)?;
         let full = self.unshard(tp, &self.params())?;
         match differ {
-            Some((k, d)) => Err(CommError::Protocol(format!(
-                "rank {}: the tensor-parallel copies of parameter {k} differ by up to {d}",
-                tp.rank()
-            ))),
+            Some((k, d)) => Err(replicas_error(tp, k, d)),
             None => Ok(Some(full)),
         }
     }
@@ -150,38 +141,57 @@ impl Piece for PipelinePiece {
         Ok(PieceStep { loss: st.loss, grads, pipeline: Some((st.bubble(), st.peak_in_flight)) })
     }
 
-    /// Every other rank of the pipeline sends pp rank 0 the parameters it is the lowest user of,
-    /// and the last rank also its copy of the tied wte, which must equal rank 0's (they got the
-    /// same gradients and updates).
     fn gather_whole(&self, mesh: &DeviceMesh) -> CommResult<Option<Vec<Tensor>>> {
-        let pp = mesh.group("pp");
-        let (p, r) = (pp.world_size(), pp.rank());
         let all = self.gpt.parameters();
-        let shapes = self.gpt.cfg.param_shapes();
-        let empty = |k: usize| Tensor::zeros(shapes[k].1.as_slice(), (Kind::Float, tch::Device::Cpu));
-        let mut full = Vec::new();
-        for k in 0..all.len() {
-            let q = self.lowest(k).expect("every parameter has a stage");
-            if r == 0 && q == 0 {
-                full.push(all[k].detach().copy());
-            } else if r == 0 {
-                let mut t = empty(k);
-                pp.recv(&mut t, q)?;
-                full.push(t);
-            } else if r == q {
-                pp.send(&all[k], 0)?;
-            }
-        }
-        if p > 1 && r == p - 1 {
-            pp.send(&all[0], 0)?;
-        } else if p > 1 && r == 0 {
-            let mut other = empty(0);
-            pp.recv(&mut other, p - 1)?;
-            if !other.equal(&full[0]) {
-                let d = (&other - &full[0]).abs().max().double_value(&[]);
-                return Err(CommError::Protocol(format!("the two copies of the tied wte differ by up to {d}")));
-            }
-        }
-        Ok((r == 0).then_some(full))
+        let mine = self.mine.iter().map(|&k| (k, all[k].detach())).collect();
+        gather_stages(mesh.group("pp"), &self.owned, &self.gpt.cfg, &mine)
     }
+}
+
+/// The whole model on pipeline rank 0 from every rank's whole tensors (`mine`: by index in the
+/// GPT's `named_parameters`; `owned`: which each rank holds): every other rank sends rank 0 the
+/// parameters it is the lowest user of, and the last rank also its copy of the tied wte, which
+/// must equal rank 0's (they got the same gradients and updates). `None` on the other ranks.
+pub(super) fn gather_stages(
+    pp: &ProcessGroup,
+    owned: &[Vec<usize>],
+    cfg: &GptConfig,
+    mine: &BTreeMap<usize, Tensor>,
+) -> CommResult<Option<Vec<Tensor>>> {
+    let (p, r) = (pp.world_size(), pp.rank());
+    let shapes = cfg.param_shapes();
+    let lowest = |k: usize| owned.iter().position(|o| o.contains(&k)).expect("every parameter has a stage");
+    let empty = |k: usize| Tensor::zeros(shapes[k].1.as_slice(), (Kind::Float, tch::Device::Cpu));
+    let held = |k: usize| {
+        mine.get(&k).ok_or_else(|| CommError::Protocol(format!("rank {r}: parameter {k} is not among this rank's")))
+    };
+    let mut full = Vec::new();
+    for k in 0..shapes.len() {
+        let q = lowest(k);
+        if r == 0 && q == 0 {
+            full.push(held(k)?.copy());
+        } else if r == 0 {
+            let mut t = empty(k);
+            pp.recv(&mut t, q)?;
+            full.push(t);
+        } else if r == q {
+            pp.send(held(k)?, 0)?;
+        }
+    }
+    if p > 1 && r == p - 1 {
+        pp.send(held(0)?, 0)?;
+    } else if p > 1 && r == 0 {
+        let mut other = empty(0);
+        pp.recv(&mut other, p - 1)?;
+        if !other.equal(&full[0]) {
+            let d = (&other - &full[0]).abs().max().double_value(&[]);
+            return Err(CommError::Protocol(format!("the two copies of the tied wte differ by up to {d}")));
+        }
+    }
+    Ok((r == 0).then_some(full))
+}
+
+/// The error of copies of a replicated parameter that differ between tensor-parallel ranks.
+pub(super) fn replicas_error(tp: &ProcessGroup, k: usize, d: f64) -> CommError {
+    CommError::Protocol(format!("rank {}: the tensor-parallel copies of parameter {k} differ by up to {d}", tp.rank()))
 }

@@ -2,7 +2,7 @@
 //! step ([`Engine::train_step`] = [`forward_backward`](Engine::forward_backward) then
 //! [`apply`](Engine::apply)); [`parallelize`] builds it from a layout and a GPT.
 
-use super::{DataDim, ParallelDims, Piece, PieceStep, PipelinePiece, Plan};
+use super::{DataDim, ParallelDims, Piece, PieceStep, PipelinePiece, Plan, TpPipelinePiece};
 use crate::comm::{CommError, CommResult, DeviceMesh, ProcessGroup, ReduceOp};
 use crate::memory::{held_bytes, MemoryStats};
 use crate::model::{Batch, Gpt, GptConfig};
@@ -58,9 +58,8 @@ pub struct Trained {
 /// Lay out `pg`'s ranks as `plan.dims`, build this rank's piece of the GPT (`cfg`) and wrap it for
 /// `plan.data`.
 /// `build(keep)` gives the GPT with (at least) the parameters `keep` accepts materialised — every
-/// rank builds from the same seed, so the pieces fit together. Tensor and pipeline parallelism
-/// together (tp > 1 and pp > 1) are refused: not built yet. An error is the same on every rank
-/// (it depends only on the arguments) or aborts the mesh.
+/// rank builds from the same seed, so the pieces fit together. An error is the same on every
+/// rank (it depends only on the arguments) or aborts the mesh.
 pub fn parallelize(
     pg: &ProcessGroup,
     plan: &Plan,
@@ -73,11 +72,6 @@ pub fn parallelize(
         "the layout {dims:?} has {} ranks, the group {}",
         dims.world(),
         pg.world_size()
-    );
-    anyhow::ensure!(
-        dims.tp == 1 || dims.pp == 1,
-        "--tp with --pp (3-D parallelism) is not built yet: a pipeline stage runs the GPT's blocks whole (lesson 13, \
-         \"What is not done yet\")"
     );
     anyhow::ensure!(
         !sequence_parallel || dims.tp > 1,
@@ -105,7 +99,16 @@ pub fn parallelize(
     // From here an error on one rank (a weights file it cannot read, say) aborts the mesh, so
     // that no other rank waits for it in the broadcasts below or in the first step.
     let built = (|| -> anyhow::Result<(Box<dyn Piece>, Option<ShardedTensors>)> {
-        let piece: Box<dyn Piece> = if dims.pp > 1 {
+        let piece: Box<dyn Piece> = if dims.pp > 1 && dims.tp > 1 {
+            // 3-D: this pipeline rank's stages, split over its tensor-parallel group.
+            let owned = crate::pipeline::train::params_of_ranks(cfg, dims.pp).map_err(anyhow::Error::msg)?;
+            let mine = owned[mesh.coord("pp")].clone();
+            let gpt = build(&|k| mine.binary_search(&k).is_ok())?;
+            let (pp, tp) = (mesh.coord("pp"), mesh.group("tp"));
+            let piece = TpPipelinePiece::new(&gpt, pipeline, pp, tp, sequence_parallel)
+                .map_err(|e| anyhow::anyhow!("--tp {} with --pp {}: {e}", dims.tp, dims.pp))?;
+            Box::new(piece)
+        } else if dims.pp > 1 {
             let owned = crate::pipeline::train::params_of_ranks(cfg, dims.pp).map_err(anyhow::Error::msg)?;
             let mine = owned[mesh.coord("pp")].clone();
             let gpt = build(&|k| mine.binary_search(&k).is_ok())?;

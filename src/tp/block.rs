@@ -294,23 +294,25 @@ impl TpBlock {
     /// The full (unsplit) tensors of `sliced` — this block's parameters or their gradients,
     /// sliced like [`params`](Self::params) — gathered from every rank, in the GPT's order.
     pub fn unshard(&self, pg: &ProcessGroup, sliced: &[Tensor]) -> CommResult<Vec<Tensor>> {
-        let t = pg.world_size() as i64;
-        let mut out = Vec::new();
-        for (i, s) in sliced.iter().enumerate() {
-            out.push(match i {
-                2 | 3 => {
-                    // (3C/t, …): q, k, v blocks of C/t rows each → gather each block's rows.
-                    let rows = s.size()[0];
-                    let rest: Vec<i64> = s.size()[1..].to_vec();
-                    let blocks = s.reshape([&[3, rows / 3][..], &rest].concat());
-                    let full = gather_dim(pg, &blocks, 1)?;
-                    full.reshape([&[rows * t][..], &rest].concat())
-                }
-                8 | 9 => gather_dim(pg, s, 0)?,
-                4 | 10 => gather_dim(pg, s, 1)?,
-                _ => s.detach().copy(),
-            });
-        }
-        Ok(out)
+        sliced.iter().enumerate().map(|(j, s)| unshard_one(pg, j, s)).collect()
     }
+}
+
+/// The whole tensor of a block's parameter `j` (0..12, the GPT's order) from this rank's slice
+/// `s`, gathered from every rank of `pg` (a replicated one: a copy of this rank's).
+pub(crate) fn unshard_one(pg: &ProcessGroup, j: usize, s: &Tensor) -> CommResult<Tensor> {
+    let t = pg.world_size() as i64;
+    Ok(match j {
+        2 | 3 => {
+            // (3C/t, …): q, k, v blocks of C/t rows each → gather each block's rows.
+            let rows = s.size()[0];
+            let rest: Vec<i64> = s.size()[1..].to_vec();
+            let blocks = s.reshape([&[3, rows / 3][..], &rest].concat());
+            let full = gather_dim(pg, &blocks, 1)?;
+            full.reshape([&[rows * t][..], &rest].concat())
+        }
+        8 | 9 => gather_dim(pg, s, 0)?,
+        4 | 10 => gather_dim(pg, s, 1)?,
+        _ => s.detach().copy(),
+    })
 }

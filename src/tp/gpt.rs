@@ -203,15 +203,47 @@ impl TpGpt {
     }
 
     /// The full (unsplit) tensors of `sliced` (parameters or gradients, sliced like
-    /// [`params`](Self::params)), gathered from every rank, in the GPT's order.
+    /// [`params`](Self::params) of the whole model), gathered from every rank, in the GPT's order.
     pub fn unshard(&self, pg: &ProcessGroup, sliced: &[Tensor]) -> CommResult<Vec<Tensor>> {
-        let mut out = vec![super::gather_dim(pg, &sliced[0], 0)?, sliced[1].detach().copy()];
-        for (l, b) in self.blocks.iter().enumerate() {
-            out.extend(b.unshard(pg, &sliced[2 + 12 * l..14 + 12 * l])?);
+        let indexed: Vec<(usize, Tensor)> = sliced.iter().map(|t| t.shallow_clone()).enumerate().collect();
+        Ok(self.unshard_indexed(pg, &indexed)?.into_iter().map(|(_, t)| t).collect())
+    }
+
+    /// The full tensors of `sliced` (by index in the GPT's `named_parameters`, as
+    /// [`indexed_params`](Self::indexed_params) gives them), gathered from every rank of `pg`.
+    pub fn unshard_indexed(&self, pg: &ProcessGroup, sliced: &[(usize, Tensor)]) -> CommResult<Vec<(usize, Tensor)>> {
+        let last = 2 + 12 * self.cfg.n_layer as usize;
+        sliced
+            .iter()
+            .map(|(k, s)| {
+                let full = match *k {
+                    0 => super::gather_dim(pg, s, 0)?,
+                    k if (2..last).contains(&k) => super::block::unshard_one(pg, (k - 2) % 12, s)?,
+                    _ => s.detach().copy(),
+                };
+                Ok((*k, full))
+            })
+            .collect()
+    }
+
+    /// Whether sequence parallelism is on.
+    pub fn is_sequence_parallel(&self) -> bool {
+        self.sequence_parallel
+    }
+
+    /// Tensor rank 0's copy of every replicated parameter against this rank's (each rank updates
+    /// its own copy from the same gradients): the first that differs and by how much. A
+    /// collective over `pg`.
+    pub fn replicas_differ(&self, pg: &ProcessGroup) -> CommResult<Option<(usize, f64)>> {
+        let mut differ = None;
+        for (k, p) in self.indexed_params().into_iter().filter(|(k, _)| !self.is_split(*k)) {
+            let mut first = p.detach().copy();
+            pg.broadcast(&mut first, 0)?;
+            if differ.is_none() && !first.equal(&p) {
+                differ = Some((k, (&first - &p).abs().max().double_value(&[])));
+            }
         }
-        let n = sliced.len();
-        out.extend([sliced[n - 2].detach().copy(), sliced[n - 1].detach().copy()]);
-        Ok(out)
+        Ok(differ)
     }
 
     /// Bytes of parameters this rank holds, measured from its tensors.
