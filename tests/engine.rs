@@ -11,7 +11,8 @@
 //! zero1 × pp 2, zero3 × pp 2, DDP × tp 2 with sequence parallelism, zero2 × pp 2 in GPipe with
 //! activation checkpointing (each pipeline rank recomputes its stages in backward), three replicas
 //! (dp 3: three-way sums), and 3-D parallelism: dp 2 × tp 2 × pp 2 on 8 ranks with DDP and with
-//! ZeRO-2, and tp 2 with sequence parallelism × pp 2.
+//! ZeRO-2, and tp 2 with sequence parallelism × pp 2; activation checkpointing of tensor-parallel
+//! blocks (zero1 × tp 2, all of them; zero3 × tp 2 × pp 2, every other one).
 
 use shardlab::data::{synthetic_corpus, Tokens};
 use shardlab::job::{DataSource, GptJob, RunSummary};
@@ -90,7 +91,7 @@ fn every_layout_trains_like_one_process() {
     // replicated tensor (every tensor rank's LayerNorms, the first and last stage's tied wte) must
     // still stay bitwise equal (the saves check it).
     let pp3 = PipelineConfig { stages: 2, micro_batches: 4, schedule: Schedule::OneFOneB };
-    let layouts: [(&str, Strategy, usize, PipelineConfig, bool, Checkpointing, usize); 11] = [
+    let layouts: [(&str, Strategy, usize, PipelineConfig, bool, Checkpointing, usize); 13] = [
         ("zero3:dp2×tp2", Strategy::Zero3, 2, PipelineConfig::default(), false, none, 4),
         ("zero2:dp2×tp2", Strategy::Zero2, 2, PipelineConfig::default(), false, none, 4),
         ("ddp2×tp2+sp", Strategy::Ddp, 2, PipelineConfig::default(), true, none, 4),
@@ -103,6 +104,10 @@ fn every_layout_trains_like_one_process() {
         ("ddp2×tp2×pp2", Strategy::Ddp, 2, pp2, false, none, 8),
         ("zero2:dp2×tp2×pp2", Strategy::Zero2, 2, pp2, false, none, 8),
         ("tp2+sp×pp2", Strategy::Ddp, 2, PipelineConfig { micro_batches: 4, ..gpipe }, true, none, 4),
+        // Activation checkpointing of tensor-parallel blocks: every block, and every other one
+        // inside 3-D.
+        ("zero1:dp2×tp2", Strategy::Zero1, 2, PipelineConfig::default(), false, full, 4),
+        ("zero3:dp2×tp2×pp2", Strategy::Zero3, 2, pp2, false, Checkpointing::Every(2), 8),
     ];
     let mut held = Vec::new();
     for (name, strategy, tp, pipeline, sequence_parallel, activation_checkpointing, n) in layouts {
@@ -153,11 +158,7 @@ fn every_layout_trains_like_one_process() {
         };
         format!("{:#}", job(&dir, 2, "no.safetensors").fit(s, false, false).err().expect("refused"))
     };
-    let e = refused(2, PipelineConfig::default(), full);
-    assert!(e.contains("--activation-checkpointing full with --tp is not built yet"), "{e}");
     let e = refused(1, pp2, Checkpointing::Every(2));
     assert!(e.contains("a pipeline rank recomputes its stages whole"), "{e}");
-    let e = refused(2, pp2, full);
-    assert!(e.contains("--activation-checkpointing full with --tp is not built yet"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

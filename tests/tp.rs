@@ -614,3 +614,32 @@ fn a_job_with_tp_trains_like_ddp() {
     assert!(e.contains("does not divide the world of 4"), "{e}");
     let _ = std::fs::remove_file(&file);
 }
+
+/// Activation checkpointing of tensor-parallel blocks (`TpGpt::recompute_blocks`): each block's
+/// forward runs again before its backward, with its two all-reduces (counted by the group: 2 more
+/// per block), and the loss and every gradient are bitwise those of the step that keeps the
+/// blocks' graphs.
+#[test]
+fn tp_recompute_repeats_each_blocks_forward_and_changes_no_bit() {
+    let out = spawn(2, Backend::Local, |pg| {
+        let mut res = Vec::new();
+        for recompute in [false, true] {
+            let mut m = shardlab::tp::TpGpt::from_gpt(&Gpt::new(GPT, 9)?, pg)
+                .map_err(anyhow::Error::msg)?
+                .recompute_blocks(|_| recompute);
+            let st = m.forward_backward(pg, &batch(0))?;
+            let grads: Vec<Vec<f32>> =
+                st.grads.iter().map(|g| Vec::<f32>::try_from(g.reshape([-1])).unwrap()).collect();
+            res.push((st.loss, grads, st.comm.calls(OpKind::AllReduce)));
+        }
+        Ok(res)
+    })
+    .unwrap();
+    let nl = GPT.n_layer as u64;
+    for (r, res) in out.into_iter().enumerate() {
+        let ((l0, g0, c0), (l1, g1, c1)) = (&res[0], &res[1]);
+        assert_eq!(l0.to_bits(), l1.to_bits(), "rank {r}: the loss changed with recompute");
+        assert_eq!(g0, g1, "rank {r}: a gradient changed with recompute");
+        assert_eq!((*c0, *c1), (4 * nl + 5, 6 * nl + 5), "rank {r}: all-reduces without and with recompute");
+    }
+}

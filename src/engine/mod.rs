@@ -104,9 +104,10 @@ pub struct Plan {
     pub sequence_parallel: bool,
     /// The schedule and micro-batches of the pipeline (its `stages` = `dims.pp`).
     pub pipeline: PipelineConfig,
-    /// Activation checkpointing: under pipeline parallelism `Full` recomputes each rank's stages
-    /// per micro-batch ([`pipeline_step_with`](crate::pipeline::pipeline_step_with)); not built
-    /// for tensor-parallel pieces, nor `every:K` inside a pipeline rank.
+    /// Activation checkpointing: tensor-parallel blocks are recomputed by the policy
+    /// ([`TpBlock::recompute`](crate::tp::TpBlock::recompute)); under pipeline parallelism alone
+    /// `Full` recomputes each rank's stages per micro-batch
+    /// ([`pipeline_step_with`](crate::pipeline::pipeline_step_with)) and `every:K` is refused.
     pub activation_checkpointing: Checkpointing,
 }
 

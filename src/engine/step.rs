@@ -83,18 +83,14 @@ pub fn parallelize(
         pipeline.stages,
         dims.pp
     );
-    match ac {
-        Checkpointing::None => {}
-        Checkpointing::Full if dims.tp == 1 => {}
-        _ if dims.tp > 1 => anyhow::bail!(
-            "--activation-checkpointing {ac} with --tp is not built yet: a tensor-parallel block keeps its graph \
-             (lesson 12, \"What is not done yet\")"
-        ),
-        _ => anyhow::bail!(
-            "--activation-checkpointing {ac} with --pp: a pipeline rank recomputes its stages whole (full) or not at \
-             all (none)"
-        ),
-    }
+    anyhow::ensure!(
+        dims.tp > 1 || dims.pp == 1 || matches!(ac, Checkpointing::None | Checkpointing::Full),
+        "--activation-checkpointing {ac} with --pp: a pipeline rank recomputes its stages whole (full) or not at all \
+         (none); with --tp too, its blocks by the policy"
+    );
+    // A tensor-parallel block is recomputed by the policy (stage l + 1 of the GPT's L + 2).
+    let n_stages = cfg.n_layer as usize + 2;
+    let recompute_block = |l: usize| ac.recomputes(l + 1, n_stages);
     let mesh = dims.mesh(pg)?;
     // From here an error on one rank (a weights file it cannot read, say) aborts the mesh, so
     // that no other rank waits for it in the broadcasts below or in the first step.
@@ -105,7 +101,7 @@ pub fn parallelize(
             let mine = owned[mesh.coord("pp")].clone();
             let gpt = build(&|k| mine.binary_search(&k).is_ok())?;
             let (pp, tp) = (mesh.coord("pp"), mesh.group("tp"));
-            let piece = TpPipelinePiece::new(&gpt, pipeline, pp, tp, sequence_parallel)
+            let piece = TpPipelinePiece::new(&gpt, pipeline, pp, tp, sequence_parallel, &recompute_block)
                 .map_err(|e| anyhow::anyhow!("--tp {} with --pp {}: {e}", dims.tp, dims.pp))?;
             Box::new(piece)
         } else if dims.pp > 1 {
@@ -117,7 +113,7 @@ pub fn parallelize(
         } else {
             let full = build(&|_| true)?;
             let m = TpGpt::from_gpt(&full, mesh.group("tp")).map_err(|e| anyhow::anyhow!("--tp {}: {e}", dims.tp))?;
-            Box::new(m.with_sequence_parallel(sequence_parallel))
+            Box::new(m.with_sequence_parallel(sequence_parallel).recompute_blocks(recompute_block))
         };
         let shards = match data {
             DataDim::Replicate => None,

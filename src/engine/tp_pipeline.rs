@@ -65,10 +65,20 @@ pub struct TpPipelinePiece {
 impl TpPipelinePiece {
     /// Pipeline rank `pp_rank`'s stages of `gpt` (which holds at least their parameters) split
     /// over the tensor-parallel group `tp`.
-    pub fn new(gpt: &Gpt, cfg: PipelineConfig, pp_rank: usize, tp: &ProcessGroup, sp: bool) -> Result<Self, String> {
+    /// `recompute(l)`: activation checkpointing of block `l`.
+    pub fn new(
+        gpt: &Gpt,
+        cfg: PipelineConfig,
+        pp_rank: usize,
+        tp: &ProcessGroup,
+        sp: bool,
+        recompute: &dyn Fn(usize) -> bool,
+    ) -> Result<Self, String> {
         let owned = params_of_ranks(&gpt.cfg, cfg.stages)?;
         let parts = crate::pipeline::partition(gpt.cfg.n_layer as usize + 2, cfg.stages)?;
-        let m = TpGpt::from_gpt_stages(gpt, tp, parts[pp_rank].clone())?.with_sequence_parallel(sp);
+        let m = TpGpt::from_gpt_stages(gpt, tp, parts[pp_rank].clone())?
+            .with_sequence_parallel(sp)
+            .recompute_blocks(recompute);
         Ok(TpPipelinePiece { m, cfg, owned, uses: Gpt::stage_uses_of(&gpt.cfg) })
     }
     fn lowest(&self, k: usize) -> Option<usize> {

@@ -32,6 +32,10 @@ pub struct TpBlock {
     /// reduce-scattered, the full (B, T, C) size of each).
     pub bytes_all_reduced: u64,
     sequence_parallel: bool,
+    /// Activation checkpointing: forward keeps only each micro-batch's input (`inputs`) and runs
+    /// again, with its graph and its collectives, before the backward.
+    recompute: bool,
+    inputs: std::collections::BTreeMap<usize, Tensor>,
 }
 
 struct BlockSaved {
@@ -102,6 +106,8 @@ impl TpBlock {
             saved: Default::default(),
             bytes_all_reduced: 0,
             sequence_parallel: false,
+            recompute: false,
+            inputs: Default::default(),
         })
     }
 
@@ -144,9 +150,35 @@ impl TpBlock {
         self.forward_mb(pg, 0, x)
     }
 
+    /// Activation checkpointing on or off (Megatron's full recompute of a block): forward runs
+    /// without a graph and keeps only the block's input; backward runs the forward again — its
+    /// two all-reduces (or reduce-scatters) too — then the backward. The same operations on the
+    /// same values: the same gradients bitwise, for one more forward and its communication.
+    pub fn recompute(mut self, on: bool) -> Self {
+        self.recompute = on;
+        self
+    }
+
     /// [`forward`](Self::forward) of micro-batch `mb`, kept for its backward
     /// ([`backward_mb`](Self::backward_mb)) while others are in flight (pipeline schedules).
     pub fn forward_mb(&mut self, pg: &ProcessGroup, mb: usize, x: &Tensor) -> CommResult<Tensor> {
+        if !self.recompute {
+            return self.forward_kept(pg, mb, x);
+        }
+        if self.inputs.contains_key(&mb) {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {}: TpBlock::forward of micro-batch {mb} twice without its backward",
+                pg.rank()
+            )));
+        }
+        let out = tch::no_grad(|| self.forward_kept(pg, mb, x))?;
+        self.saved.remove(&mb); // graph-less: nothing of it is needed
+        self.inputs.insert(mb, x.detach());
+        Ok(out)
+    }
+
+    /// The forward, keeping what backward needs.
+    fn forward_kept(&mut self, pg: &ProcessGroup, mb: usize, x: &Tensor) -> CommResult<Tensor> {
         let p = &self.params;
         if self.saved.contains_key(&mb) {
             return Err(CommError::InvalidArgument(format!(
@@ -223,6 +255,9 @@ impl TpBlock {
 
     /// [`backward`](Self::backward) of micro-batch `mb`.
     pub fn backward_mb(&mut self, pg: &ProcessGroup, mb: usize, dy: &Tensor) -> CommResult<(Vec<Tensor>, Tensor)> {
+        if let Some(x) = self.inputs.remove(&mb) {
+            let _ = self.forward_kept(pg, mb, &x)?; // recompute, now with the graph
+        }
         let s = self.saved.remove(&mb).ok_or_else(|| {
             CommError::InvalidArgument(format!(
                 "rank {}: TpBlock::backward of micro-batch {mb} without its forward",

@@ -114,6 +114,18 @@ impl TpGpt {
         })
     }
 
+    /// Activation checkpointing: recompute block `l` (by layer) in backward where `which(l)`
+    /// ([`TpBlock::recompute`]).
+    pub fn recompute_blocks(mut self, which: impl Fn(usize) -> bool) -> Self {
+        let first = self.stages.start.max(1) - 1;
+        self.blocks = std::mem::take(&mut self.blocks)
+            .into_iter()
+            .enumerate()
+            .map(|(k, b)| b.recompute(which(first + k)))
+            .collect();
+        self
+    }
+
     /// The GPT stages this rank runs.
     pub fn stages(&self) -> std::ops::Range<usize> {
         self.stages.clone()
