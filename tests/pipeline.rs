@@ -207,8 +207,8 @@ fn a_pipeline_rank_builds_only_its_stages() {
 /// same global batch as DDP on 4 ranks, to the same losses (1e-5) and the same weights after the
 /// last step (saved whole from the stages, whose two copies of the tied wte the save checks
 /// equal; 1e-4 after 4 clipped AdamW steps), holding fewer
-/// parameter bytes per rank; bad shapes and --tp with --pp (not built yet) are refused with the
-/// reason.
+/// parameter bytes per rank; bad shapes are refused with the reason. (With --tp too: 3-D,
+/// tests/engine.rs.)
 #[test]
 fn a_job_with_pp_trains_like_ddp() {
     use shardlab::job::{DataSource, GptJob};
@@ -274,14 +274,6 @@ fn a_job_with_pp_trains_like_ddp() {
     let err = |cfg, strategy| format!("{:#}", fit(cfg, strategy, "x.safetensors").err().expect("refused"));
     assert!(err(pp(3, 2, Schedule::OneFOneB), Strategy::Ddp).contains("--pp 3 does not divide the world of 4"));
     assert!(err(pp(2, 3, Schedule::OneFOneB), Strategy::Ddp).contains("--micro-batches 3 does not divide"));
-    let s = ScalingConfig {
-        num_workers: 4,
-        pipeline: pp(2, 2, Schedule::OneFOneB),
-        tensor_parallel: 2,
-        ..ScalingConfig::default()
-    };
-    let e = format!("{:#}", job.fit(s, false, false).err().expect("tp with pp"));
-    assert!(e.contains("--tp with --pp (3-D parallelism) is not built yet"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -5,6 +5,7 @@
 //! cargo run --release --bin train -- --strategy ddp --world-size 2 --steps 30
 //! cargo run --release --bin train -- --strategy single --steps 200 --save out.safetensors
 //! cargo run --release --bin train -- --strategy ddp --world-size 4 --tp 2 --steps 30   # dp 2 × tp 2 (lesson 12)
+//! cargo run --release --bin train -- --tp 2 --pp 2 --strategy zero3 --world-size 8    # dp 2 × tp 2 × pp 2 (lesson 13)
 //! cargo run --release --bin launch -- --nproc-per-node 2 -- train --strategy ddp --steps 30   # ranks started by `launch`
 //! cargo run --release --bin train -- --eval-only --init out.safetensors --data val.bin
 //! ```
@@ -37,8 +38,9 @@ struct Args {
     #[arg(long, value_enum, default_value = "bucketed")]
     variant: Variant,
     /// Tensor parallelism (lesson 12): groups of this many ranks split every matrix of the GPT
-    /// (Megatron-LM); the world is (world-size / tp) data-parallel replicas of tp ranks each.
-    /// --strategy ddp or zero1/2/3 runs on the data dimension; 1: none.
+    /// (Megatron-LM); the world is (world-size / tp) data-parallel replicas of tp ranks each
+    /// (with --pp, world-size / (tp × pp) replicas of tp × pp ranks: each pipeline rank's stages
+    /// split over tp ranks). --strategy ddp or zero1/2/3 runs on the data dimension; 1: none.
     #[arg(long, default_value_t = 1)]
     tp: usize,
     /// With --tp: sequence parallelism (Korthikanti et al. 2022): LayerNorms and residuals on
@@ -47,11 +49,12 @@ struct Args {
     sequence_parallel: bool,
     /// Pipeline parallelism (lesson 13): the GPT's stages (embeddings, blocks, head) cut over this
     /// many ranks, each building only its own; the world is (world-size / pp) data-parallel
-    /// replicas of pp ranks each. --strategy ddp or zero1/2/3 runs on the data dimension; 1: none.
+    /// replicas of pp ranks each (with --tp, see --tp). --strategy ddp or zero1/2/3 runs on the
+    /// data dimension; 1: none.
     #[arg(long, default_value_t = 1)]
     pp: usize,
-    /// With --pp: micro-batches per replica's batch (--batch-size × --pp rows; default 4); more
-    /// shrink the bubble, (pp − 1)/(micro-batches + pp − 1).
+    /// With --pp: micro-batches per replica's batch (--batch-size × --pp rows, × --tp with --tp;
+    /// default 4); more shrink the bubble, (pp − 1)/(micro-batches + pp − 1).
     #[arg(long)]
     micro_batches: Option<usize>,
     /// With --pp: the schedule, gpipe or 1f1b (default).

@@ -137,6 +137,11 @@ impl Engine {
     pub fn mesh(&self) -> &DeviceMesh {
         &self.mesh
     }
+    /// The mesh alone: the piece, its shards and buffers dropped (the communicators, with their
+    /// own buffers, kept).
+    pub fn into_mesh(self) -> DeviceMesh {
+        self.mesh
+    }
     pub fn piece(&self) -> &dyn Piece {
         &*self.piece
     }

@@ -1,5 +1,6 @@
 //! The per-worker loop of a job whose layout has tensor or pipeline parallelism (`train --tp N`,
-//! `--pp N`, on their own or with DDP or ZeRO over the data dimension): the layout
+//! `--pp N`, or both — 3-D parallelism, each pipeline rank's stages split over its tensor-parallel
+//! group — on their own or with DDP or ZeRO over the data dimension): the layout
 //! ([`ParallelDims`]: pp × dp × tp ranks), [`parallelize`], then [`Engine::train_step`] per step.
 //!
 //! Every rank of a replica (a tp group, a pipeline, or both) reads the same rows: the global batch
@@ -8,10 +9,10 @@
 //! would: the same losses within f32 rounding (`tests/engine.rs`, `tests/tp.rs`,
 //! `tests/pipeline.rs`).
 //!
-//! What is not combined with tensor or pipeline parallelism yet — `--tp` with `--pp`, mixed
-//! precision, gradient accumulation, activation checkpointing with `--tp` (or `every:K` with
-//! `--pp`), distributed checkpoints, offload, GPUs — is refused with the reason on every rank
-//! before any computes.
+//! What is not combined with tensor or pipeline parallelism yet — mixed precision, gradient
+//! accumulation, distributed checkpoints, offload, GPUs, and `every:K` activation checkpointing
+//! with `--pp` but no `--tp` ([`parallelize`]) — is refused with the reason on every rank before
+//! any computes; elastic restarts with `--tp` or `--pp` are refused by `train` itself.
 
 use super::{GptJob, PipelineStats, RunSummary};
 use crate::data::DistributedSampler;

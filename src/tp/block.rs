@@ -83,7 +83,10 @@ impl TpBlock {
             let blocks = w.reshape([3, c, -1]);
             let part = shard(&blocks, 1, t, r)?;
             s[0] /= t as i64;
-            Ok(part.reshape(s))
+            // A tensor of its own, not a view of `part`: a view keeps its base alive, so once
+            // ZeRO points the parameter at its flat buffer (set_data) the base would stay held,
+            // uncounted (tests/held_memory.rs found it).
+            Ok(part.reshape(s).copy())
         };
         let rep = |w: &Tensor| w.detach().copy();
         let params = vec![

@@ -79,7 +79,9 @@ pub struct ScalingConfig {
     pub offload: bool,
     /// Tensor-parallel group size (lesson 12): the world as (n/t) × t, data parallel over the
     /// rows (`strategy`: DDP or ZeRO 1/2/3), [`TpGpt`](crate::tp::TpGpt) within each; default 1
-    /// (none). Laid out by [`ParallelDims`](crate::engine::ParallelDims) and run by the engine.
+    /// (none). With `pipeline` stages too, p × n/(p·t) × t (pp × dp × tp, 3-D parallelism): each
+    /// pipeline rank's stages split over its tensor-parallel group. Laid out by
+    /// [`ParallelDims`](crate::engine::ParallelDims) and run by the engine.
     #[serde(default = "one")]
     pub tensor_parallel: usize,
     /// With `tensor_parallel > 1`: sequence parallelism ([`TpGpt::with_sequence_parallel`](crate::tp::TpGpt::with_sequence_parallel)).
@@ -87,7 +89,8 @@ pub struct ScalingConfig {
     pub sequence_parallel: bool,
     /// Pipeline parallelism (lesson 13): the world as p × (n/p) (pp × dp), each column a p-rank
     /// pipeline, each row the data-parallel replicas of one stage (`strategy`: DDP or ZeRO
-    /// 1/2/3); default 1 stage (none). Laid out by [`ParallelDims`](crate::engine::ParallelDims)
+    /// 1/2/3); default 1 stage (none). With `tensor_parallel` > 1 too, each stage is split over a
+    /// tensor-parallel group (3-D). Laid out by [`ParallelDims`](crate::engine::ParallelDims)
     /// and run by the engine.
     #[serde(default)]
     pub pipeline: crate::pipeline::PipelineConfig,
