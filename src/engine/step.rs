@@ -148,12 +148,50 @@ impl Engine {
     /// The piece's forward and backward on this replica's `batch` (ZeRO-3: between a gather of its
     /// parameters and their release). An error aborts the mesh.
     pub fn forward_backward(&mut self, batch: &Batch) -> CommResult<PieceStep> {
+        self.forward_backward_accum(batch, 1)
+    }
+
+    /// [`forward_backward`](Self::forward_backward) with gradient accumulation: `batch` cut into
+    /// `accum` micro-batches ([`micro_batches`](crate::ddp::micro_batches): sizes differ by at most
+    /// one row), each run through the piece, its loss and gradients weighted by its share of the
+    /// rows and summed — the data-parallel strategies' rule ([`crate::ddp::train_step`]). ZeRO-3
+    /// gathers the parameters once for all of them.
+    pub fn forward_backward_accum(&mut self, batch: &Batch, accum: i64) -> CommResult<PieceStep> {
         let dp = self.mesh.group("dp");
+        let rows = batch.len();
+        if accum < 1 || accum > rows {
+            // The same arguments on every rank: the same error, nothing started.
+            return Err(CommError::InvalidArgument(format!(
+                "gradient accumulation over {accum} micro-batches needs 1..={rows} (the rows of this replica's batch)"
+            )));
+        }
         let mut run = || {
             if let Some(s) = self.shards.as_mut() {
                 self.gathered = s.gather(dp)?;
             }
-            self.piece.forward_backward(&self.mesh, batch)
+            let mut total: Option<PieceStep> = None;
+            for (lo, hi) in crate::ddp::micro_batches(rows, accum) {
+                let share = (hi - lo) as f64 / rows as f64;
+                let part = self.piece.forward_backward(&self.mesh, &batch.rows(lo, hi))?;
+                total = Some(match total {
+                    None if accum == 1 => part,
+                    None => PieceStep {
+                        loss: part.loss * share,
+                        grads: part.grads.into_iter().map(|g| g * share).collect(),
+                        pipeline: part.pipeline,
+                    },
+                    Some(mut t) => {
+                        t.loss += part.loss * share;
+                        t.grads.iter_mut().zip(&part.grads).for_each(|(a, g)| _ = a.g_add_(&(g * share)));
+                        t.pipeline = match (t.pipeline, part.pipeline) {
+                            (Some((b, p)), Some((b2, p2))) => Some((b.max(b2), p.max(p2))),
+                            (a, b) => a.or(b),
+                        };
+                        t
+                    }
+                });
+            }
+            Ok(total.expect("at least one micro-batch"))
         };
         let r = run();
         if let Some(s) = self.shards.as_mut() {
@@ -213,6 +251,20 @@ impl Engine {
         Ok(Trained { loss, norm: stepped.norm, pipeline })
     }
 
+    /// One training step with `accum` micro-batches of gradient accumulation:
+    /// [`forward_backward_accum`](Self::forward_backward_accum), then [`apply`](Self::apply).
+    pub fn train_step_accum(
+        &mut self,
+        batch: &Batch,
+        accum: i64,
+        opt: &mut dyn Optimizer,
+        lr: f64,
+        clip: Option<f64>,
+    ) -> CommResult<Trained> {
+        let step = self.forward_backward_accum(batch, accum)?;
+        self.apply(step, opt, lr, clip)
+    }
+
     /// One training step: [`forward_backward`](Self::forward_backward), then [`apply`](Self::apply).
     pub fn train_step(
         &mut self,
@@ -243,13 +295,16 @@ impl Engine {
         if let Some(s) = self.shards.as_mut() {
             s.release();
         }
+        // A rank that failed aborts at once (a peer may wait on it in a receive).
+        let r = r.map_err(|e| abort(&self.mesh, e));
         // Every rank learns whether every rank got through (a rank that sent its part and left
         // would not see the gatherer fail).
         let failed = Tensor::from_slice(&[r.is_err() as u8 as f64]);
         let anyone =
             groups(&self.mesh).iter().try_fold(failed, |mut t, g| g.all_reduce(&mut t, ReduceOp::Sum).map(|_| t));
         match (r, anyone) {
-            (Err(e), _) | (Ok(_), Err(e)) => Err(abort(&self.mesh, e)),
+            (Err(e), _) => Err(e),
+            (Ok(_), Err(e)) => Err(abort(&self.mesh, e)),
             (Ok(_), Ok(n)) if n.double_value(&[0]) > 0.0 => Err(CommError::Protocol(
                 "another rank failed while gathering the whole model; nothing was written".into(),
             )),

@@ -1,7 +1,8 @@
 //! The per-worker loop of a job whose layout has tensor or pipeline parallelism (`train --tp N`,
 //! `--pp N`, or both — 3-D parallelism, each pipeline rank's stages split over its tensor-parallel
 //! group — on their own or with DDP or ZeRO over the data dimension): the layout
-//! ([`ParallelDims`]: pp × dp × tp ranks), [`parallelize`], then [`Engine::train_step`] per step.
+//! ([`ParallelDims`]: pp × dp × tp ranks), [`parallelize`], then
+//! [`Engine::train_step_accum`](crate::engine::Engine::train_step_accum) per step.
 //!
 //! Every rank of a replica (a tp group, a pipeline, or both) reads the same rows: the global batch
 //! is `batch_size × n` rows, as for the data-parallel strategies, each of the `dp` replicas taking
@@ -9,8 +10,12 @@
 //! would: the same losses within f32 rounding (`tests/engine.rs`, `tests/tp.rs`,
 //! `tests/pipeline.rs`).
 //!
-//! What is not combined with tensor or pipeline parallelism yet — mixed precision, gradient
-//! accumulation, distributed checkpoints, offload, GPUs, and `every:K` activation checkpointing
+//! Gradient accumulation (`--accum`) cuts each replica's rows into micro-batches run through the
+//! piece one after another ([`Engine::train_step_accum`](crate::engine::Engine::train_step_accum)); under pipeline parallelism each is a
+//! whole pipelined step of `--micro-batches`.
+//!
+//! What is not combined with tensor or pipeline parallelism yet — mixed precision, distributed
+//! checkpoints, offload, GPUs, and `every:K` activation checkpointing
 //! with `--pp` but no `--tp` ([`parallelize`]) — is refused with the reason on every rank before
 //! any computes; elastic restarts with `--tp` or `--pp` are refused by `train` itself.
 
@@ -43,9 +48,11 @@ fn unsupported(job: &GptJob, ctx: &TrainContext, dims: &ParallelDims) -> Option<
             ));
         }
         let rows = job.batch_size * ctx.world_size() / dims.dp;
-        if m == 0 || rows % m != 0 {
+        let a = job.accum.max(1) as usize;
+        if m == 0 || rows % (m * a) != 0 {
             return Some(format!(
-                "--micro-batches {m} does not divide a pipeline's {rows} rows (--batch-size {} × {} ranks per replica)",
+                "--micro-batches {m}{} does not divide a pipeline's {rows} rows (--batch-size {} × {} ranks per replica)",
+                if a > 1 { format!(" × --accum {a}") } else { String::new() },
                 job.batch_size,
                 dims.pp * dims.tp
             ));
@@ -64,11 +71,6 @@ fn unsupported(job: &GptJob, ctx: &TrainContext, dims: &ParallelDims) -> Option<
             Some(format!("--strategy single runs one replica, but the layout has {} (use ddp or zero1/2/3)", dims.dp))
         }
         _ if s.precision != crate::precision::Precision::Fp32 => no("mixed precision"),
-        _ if job.accum != 1 => no(if dims.pp > 1 {
-            "gradient accumulation (raise --micro-batches instead)"
-        } else {
-            "gradient accumulation"
-        }),
         _ if job.checkpoint.dir.is_some() || job.checkpoint.resume.is_some() => no("distributed checkpoints"),
         _ if s.offload => no("offload"),
         _ if s.device != crate::device::DeviceChoice::Cpu || s.use_gpu => no("GPUs"),
@@ -130,8 +132,9 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
         ctx.group().barrier()?;
         let t0 = Instant::now();
         let lr = job.schedule().lr(step);
-        let out =
-            engine.train_step(&batch, &mut opt, lr, job.grad_clip).map_err(|e| anyhow::anyhow!("step {step}: {e}"))?;
+        let out = engine
+            .train_step_accum(&batch, job.accum, &mut opt, lr, job.grad_clip)
+            .map_err(|e| anyhow::anyhow!("step {step}: {e}"))?;
         let dt = t0.elapsed().as_secs_f64();
         let loss = out.loss;
         anyhow::ensure!(

@@ -184,6 +184,12 @@ impl StageRunner for Autograd<'_> {
     }
 }
 
+/// Abort `pg` with `e` (so that no neighbour waits for this rank), returned.
+fn fail(pg: &ProcessGroup, e: CommError) -> CommError {
+    pg.abort(&format!("rank {}: pipeline stage: {e}", pg.rank()));
+    e
+}
+
 /// One training step's forward and backward over the pipeline `pg`: `runner` computes this rank's
 /// stages (`uses`: the parameters each of the model's stages uses, the same on every rank, for
 /// the tied parameters' exchange), `batch` cut into `micro_batches` equal micro-batches, in the
@@ -256,7 +262,8 @@ pub fn run_pipeline(
                     x
                 };
                 start = t0.elapsed().as_secs_f64();
-                let x = runner.forward(i, x, &part)?;
+                // A runner's error aborts the pipeline: its neighbours wait on it in recv.
+                let x = runner.forward(i, x, &part).map_err(|e| fail(pg, e))?;
                 end = t0.elapsed().as_secs_f64();
                 if last {
                     losses += x.double_value(&[]) * weight[i];
@@ -298,7 +305,8 @@ pub fn run_pipeline(
                     g
                 };
                 start = t0.elapsed().as_secs_f64();
-                let (g, dx) = runner.backward(i, &g_out, &batch.rows(i as i64 * mb, (i as i64 + 1) * mb))?;
+                let part = batch.rows(i as i64 * mb, (i as i64 + 1) * mb);
+                let (g, dx) = runner.backward(i, &g_out, &part).map_err(|e| fail(pg, e))?;
                 end = t0.elapsed().as_secs_f64();
                 if let Some(dx) = dx {
                     pg.send(&dx, r - 1)?;

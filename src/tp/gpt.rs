@@ -91,6 +91,19 @@ impl TpGpt {
             return Err(format!("tensor parallelism here computes in fp32, not {:?}", gpt.precision()));
         }
         let p: Vec<Tensor> = gpt.parameters().iter().map(|p| p.detach()).collect();
+        // The stages' parameters must be there (a pipeline rank's GPT holds only its own).
+        let shapes = cfg.param_shapes();
+        let mut needed: Vec<usize> = Gpt::stage_uses_of(&cfg)[stages.clone()].iter().flatten().copied().collect();
+        needed.sort_unstable();
+        needed.dedup();
+        if let Some(&k) = needed.iter().find(|&&k| p[k].size() != shapes[k].1) {
+            return Err(format!(
+                "the GPT given for stages {stages:?} does not hold {} ({:?}, not {:?})",
+                shapes[k].0,
+                p[k].size(),
+                shapes[k].1
+            ));
+        }
         let leaf = |x: Tensor| x.set_requires_grad(true);
         let rep = |x: &Tensor| leaf(x.copy());
         let none = || leaf(Tensor::empty([0], (Kind::Float, p[0].device())));
