@@ -328,3 +328,39 @@ fn zero1_with_bf16_reduction_accumulates_in_f32() {
         assert!(d > 0.0 && d < 1e-3, "rank {rank}: bf16-reduced ZeRO-1 differs from fp32-reduced by {d}");
     }
 }
+
+/// fp16 without a loss scaler is refused: `train_step` on an fp16 model errs on every rank before
+/// anything is computed (no weight changes), under DDP and ZeRO-3; the Trainer's context gives the
+/// scaler fp16 needs (`TrainContext::scaler`) and none for bf16 and fp32.
+#[test]
+fn fp16_without_a_loss_scaler_is_refused_on_every_rank() {
+    let out = spawn(2, Backend::Local, |pg| {
+        let mut v = Vec::new();
+        for zero in [false, true] {
+            let m = Gpt::new(GptConfig::tiny(), 5)?.with_precision(Precision::Fp16);
+            let mut dp: Box<dyn DataParallel> = if zero {
+                Box::new(Zero::new(pg, Box::new(m), Stage::Three)?)
+            } else {
+                ddp::wrap(pg, Box::new(m), ddp::Variant::Bucketed, ddp::DEFAULT_BUCKET_CAP_BYTES)?
+            };
+            let mut opt = AdamW::new(AdamWConfig { lr: 1e-3, ..AdamWConfig::default() });
+            let b = DistributedSampler::new(16, 8, pg.rank(), 2, 2)?.batch(&synthetic_corpus(4000, 7), 0);
+            let before = flat(&dp.full_parameters()?);
+            let e = ddp::train_step(&mut *dp, &mut opt, &b, 1, StepConfig::lr(1e-3)).err().map(|e| e.to_string());
+            v.push((e.unwrap_or_default(), flat(&dp.full_parameters()?) == before && opt.state_bytes() == 0));
+        }
+        Ok(v)
+    })
+    .unwrap();
+    for (r, v) in out.iter().enumerate() {
+        for (e, unchanged) in v {
+            assert!(e.contains("an fp16 model needs a loss scaler"), "rank {r}: {e}");
+            assert!(unchanged, "rank {r}: a refused fp16 step changed something");
+        }
+    }
+    let scaler = |precision| {
+        let s = ScalingConfig { precision, ..ScalingConfig::default() };
+        Trainer::new(s).fit(|ctx| Ok(ctx.scaler().is_some())).unwrap().results[0]
+    };
+    assert!(scaler(Precision::Fp16) && !scaler(Precision::Bf16) && !scaler(Precision::Fp32));
+}

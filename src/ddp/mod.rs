@@ -251,6 +251,14 @@ pub fn train_step_scaled(
             "gradient accumulation over {accum} micro-batches needs 1..={rows} (the rows of this rank's batch)"
         )));
     }
+    if scaler.is_none() && dp.model().precision() == crate::precision::Precision::Fp16 {
+        // The same on every rank (the model's precision is the job's), before any computes.
+        return Err(CommError::InvalidArgument(format!(
+            "rank {}: an fp16 model needs a loss scaler — its small gradients flush to zero in fp16 and its large \
+             ones overflow: pass a GradScaler to train_step_scaled (TrainContext::scaler gives one), or compute in bf16",
+            dp.group().rank()
+        )));
+    }
     let s = scaler.as_ref().map_or(1.0, |sc| sc.scale());
     let mut loss = 0.0;
     let parts = micro_batches(rows, accum);

@@ -33,8 +33,7 @@ impl GptJob {
         let (mut dp, mut opt) = ctx.prepare(Box::new(model), &self.optim)?;
         let (rank, n) = (ctx.rank(), ctx.world_size());
         // fp16 needs dynamic loss scaling (PyTorch's GradScaler rules); bf16 and fp32 do not.
-        let mut scaler =
-            (ctx.scaling().precision == crate::precision::Precision::Fp16).then(crate::precision::GradScaler::default);
+        let mut scaler = ctx.scaler();
         let mut start = 0;
         let (mut save_s, mut save_bytes, mut load_s, mut load_bytes) = (0.0, 0, 0.0, 0);
         if let Some(from) = &self.checkpoint.resume {

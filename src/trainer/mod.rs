@@ -133,6 +133,13 @@ impl<'a> TrainContext<'a> {
     ) -> anyhow::Result<(Box<dyn DataParallel + 'a>, AdamW)> {
         Ok((self.prepare_model(model)?, AdamW::new(*optim)))
     }
+    /// The loss scaler the configured precision needs: fp16's dynamic scaling (PyTorch's
+    /// `GradScaler` rules), none for fp32 and bf16. Pass it to
+    /// [`train_step_scaled`](crate::ddp::train_step_scaled); a step of an fp16 model without one
+    /// is refused.
+    pub fn scaler(&self) -> Option<crate::precision::GradScaler> {
+        (self.scaling.precision == Precision::Fp16).then(crate::precision::GradScaler::default)
+    }
     /// Send a metrics object (anything serialisable to a JSON object) to the driver.
     pub fn report(&mut self, metrics: impl Serialize) -> anyhow::Result<()> {
         if let Some(f) = self.report.as_mut() {
