@@ -170,8 +170,9 @@ impl TpGpt {
     ) -> CommResult<(Vec<(usize, Tensor)>, Tensor)> {
         let s = self.head_saved.remove(&mb).ok_or_else(|| Self::bad(pg, format!("no head forward of {mb}")))?;
         let sp = self.sequence_parallel;
-        let dlogits = s.dlogits * w.to_kind(Kind::Float);
-        let g = Tensor::run_backward(&[(&s.logits * &dlogits).sum(Kind::Float)], &[&self.wte, &s.h_leaf], false, false);
+        // The weight scales the scalar objective, not dL/dlogits: no extra pass over (B·T, V/t).
+        let obj = (&s.logits * &s.dlogits).sum(Kind::Float) * w.to_kind(Kind::Float);
+        let g = Tensor::run_backward(&[obj], &[&self.wte, &s.h_leaf], false, false);
         let [g_wte, dh]: [Tensor; 2] = g.try_into().expect("two gradients");
         let dh = if sp {
             scatter_dim(pg, &dh, 1)? // this rank's tokens of the sum over the vocabulary slices
