@@ -64,6 +64,7 @@ fn check(name: &str, got: &RunSummary, want: &RunSummary, dir: &Path, file: &str
     // replicas (AdamW and clipping would hide a gradient off by a constant factor).
     assert_eq!(got.grad_norms.len(), want.grad_norms.len(), "{name}: norms");
     for (s, (a, b)) in got.grad_norms.iter().zip(&want.grad_norms).enumerate() {
+        let (a, b) = (a.expect("a finite norm"), b.expect("a finite norm"));
         assert!((a - b).abs() <= 1e-5 * b.abs(), "{name} step {s}: gradient norm {a}, one process {b}");
     }
     let (ours, theirs) = (weights(&dir.join(file)), weights(&dir.join(reference)));

@@ -144,7 +144,7 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
             &losses[losses.len().saturating_sub(4)..]
         );
         losses.push(loss);
-        norms.push(out.norm);
+        norms.push(out.norm.is_finite().then_some(out.norm));
         let mut line = json!({"step": step, "loss": loss, "lr": lr, "grad_norm": out.norm, "step_s": dt,
                               "tokens_per_s": tokens_per_step / dt});
         if let Some((bubble, peak)) = out.pipeline {

@@ -105,10 +105,10 @@ pub struct RunSummary {
     pub final_loss: f64,
     /// Global loss of every step.
     pub losses: Vec<f64>,
-    /// The global gradient norm of every step, before clipping (infinite on a step fp16's loss
-    /// scaler skipped).
+    /// The global gradient norm of every step, before clipping (`None` on a step fp16's loss
+    /// scaler skipped: not finite, which JSON cannot carry).
     #[serde(default)]
-    pub grad_norms: Vec<f64>,
+    pub grad_norms: Vec<Option<f64>>,
     /// Communication seconds (per rank, all steps), the part not hidden behind compute, and the
     /// hidden fraction.
     pub comm_s: f64,

@@ -97,7 +97,7 @@ impl GptJob {
                 &losses[losses.len().saturating_sub(4)..]
             );
             losses.push(loss);
-            norms.push(out.grad_norm);
+            norms.push(out.grad_norm.is_finite().then_some(out.grad_norm));
             if step >= warmup {
                 step_s.push(dt);
             }
