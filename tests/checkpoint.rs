@@ -4,8 +4,9 @@
 //! checkpoints are refused with errors that name the file.
 
 use shardlab::checkpoint::{self, SaveOptions};
-use shardlab::data::{synthetic_corpus, DistributedSampler};
+use shardlab::data::{synthetic_corpus, DistributedSampler, Tokens};
 use shardlab::ddp::{self, DataParallel};
+use shardlab::engine::{parallelize, DataDim, Engine, ParallelDims, Plan};
 use shardlab::model::{Gpt, GptConfig};
 use shardlab::prelude::*;
 use shardlab::zero::{Stage, Zero};
@@ -319,7 +320,7 @@ fn damaged_checkpoints_are_refused_with_errors_that_name_the_file() {
     // Unknown format version.
     let d = copy("version");
     let p = d.join("metadata.json");
-    let text = std::fs::read_to_string(&p).unwrap().replacen("\"format_version\": 1", "\"format_version\": 7", 1);
+    let text = std::fs::read_to_string(&p).unwrap().replacen("\"format_version\": 2", "\"format_version\": 7", 1);
     std::fs::write(&p, text).unwrap();
     let e = load_error(&d, tiny);
     assert!(e.contains("format version 7"), "{e}");
@@ -397,5 +398,219 @@ fn resuming_a_job_continues_it_exactly() {
     other.seed = 2;
     let e = format!("{:#}", other.fit(scaling(2, Strategy::Ddp, Precision::Fp32), false, false).unwrap_err());
     assert!(e.contains("seed: 1 in the checkpoint, 2 here"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The synthetic corpus's ids spread over the vocabulary of 64 (id·5 + 1), so that every
+/// tensor-parallel rank's slice of the embedding and the head is trained.
+fn spread() -> Tokens {
+    Tokens(synthetic_corpus(4000, 7).0.iter().map(|t| t * 5 + 1).collect())
+}
+
+/// One rank's engine over `pg`: the tiny GPT from `seed` laid out `tp` × `pp` (the rest data
+/// parallel, `data` on it), 2 micro-batches per pipelined step.
+fn engine(pg: &ProcessGroup, tp: usize, pp: usize, data: DataDim, seed: u64) -> anyhow::Result<Engine> {
+    let cfg = GptConfig::tiny();
+    let mut plan = Plan::new(ParallelDims::new(pg.world_size(), tp, pp).map_err(anyhow::Error::msg)?, data);
+    plan.pipeline.micro_batches = 2;
+    parallelize(pg, &plan, &cfg, &|keep| Gpt::new_only(cfg, seed, keep))
+}
+
+/// Steps `from..to` of an engine on the global batch of `GLOBAL` rows: the losses.
+fn engine_steps(e: &mut Engine, o: &mut AdamW, from: u64, to: u64) -> anyhow::Result<Vec<f64>> {
+    let s = DistributedSampler::new(16, GLOBAL, e.mesh().coord("dp"), e.dims.dp, 3)?;
+    let data = spread();
+    (from..to).map(|step| Ok(e.train_step(&s.batch(&data, step), o, 3e-3, None)?.loss)).collect()
+}
+
+/// Steps `from..to` of a data-parallel strategy on the same batches: the global losses.
+fn whole_steps(dp: &mut dyn DataParallel, o: &mut AdamW, from: u64, to: u64) -> anyhow::Result<Vec<f64>> {
+    let (r, n) = (dp.group().rank(), dp.group().world_size());
+    let s = DistributedSampler::new(16, GLOBAL, r, n, 3)?;
+    let data = spread();
+    let mut losses = Vec::new();
+    for step in from..to {
+        let out = ddp::train_step(dp, o, &s.batch(&data, step), 1, StepConfig::lr(3e-3))?;
+        let mut l = Tensor::from_slice(&[out.loss]);
+        dp.group().all_reduce(&mut l, ReduceOp::Avg)?;
+        losses.push(l.double_value(&[0]));
+    }
+    Ok(losses)
+}
+
+/// What a rank of a layout reports after loading: the whole parameters it loaded (on the ranks
+/// that gather them), the losses of 2 more steps, the whole parameters after them.
+type Loaded = (Option<Vec<f32>>, Vec<f64>, Option<Vec<f32>>);
+
+/// Load `from` into layout `to` on `n` ranks (other initial weights: the load must replace them
+/// all), save it again into `again` (when given), and train 2 more steps.
+fn load_into(n: usize, to: To, from: &Path, again: Option<PathBuf>) -> Loaded {
+    let from = from.to_path_buf();
+    let out = spawn(n, Backend::Local, move |pg| {
+        let mut o = opt();
+        match to {
+            To::Mesh(tp, pp, data) => {
+                let mut e = engine(pg, tp, pp, data, 99)?;
+                let r = checkpoint::load(&mut e, &mut o, &from)?;
+                let loaded = e.full_parameters()?.map(|p| flat(&p));
+                if let Some(again) = &again {
+                    checkpoint::save(&e, &o, again, r.step, r.extra.clone(), &SaveOptions::default())?;
+                }
+                let losses = engine_steps(&mut e, &mut o, r.step, 4)?;
+                Ok((loaded, losses, e.full_parameters()?.map(|p| flat(&p))))
+            }
+            To::Whole(s) => {
+                let mut dp = wrap(pg, s, 99, Precision::Fp32)?;
+                let r = checkpoint::load(&mut *dp, &mut o, &from)?;
+                let loaded = Some(flat(&dp.full_parameters()?));
+                if let Some(again) = &again {
+                    checkpoint::save(&*dp, &o, again, r.step, r.extra.clone(), &SaveOptions::default())?;
+                }
+                let losses = whole_steps(&mut *dp, &mut o, r.step, 4)?;
+                Ok((loaded, losses, Some(flat(&dp.full_parameters()?))))
+            }
+        }
+    });
+    out.unwrap_or_else(|e| panic!("{to:?} on {n} ranks: {e:#}")).remove(0)
+}
+
+#[derive(Clone, Copy, Debug)]
+enum To {
+    /// The engine: tp × pp, the data dimension's wrapper.
+    Mesh(usize, usize, DataDim),
+    /// A data-parallel strategy on the whole model.
+    Whole(S),
+}
+
+/// Any layout's checkpoint loads into any other (DCP's promise): saved by 3-D parallelism
+/// (dp 2 × tp 2 × pp 2: row- and column-parallel slices, c_attn's q, k and v rows, the tied wte on
+/// two stages), loaded at zero3 × 4, tp 2 × pp 2, one process, ZeRO on tensor- and
+/// pipeline-parallel pieces: the parameters each layout gathers after the load are bitwise the
+/// saved ones; saved again by the loading layout, every tensor — parameters, AdamW's moments —
+/// and every step count is bitwise the original's; 2 more steps continue the run (bitwise at the
+/// same layout; within 1e-5 in loss and 1e-4 in weights elsewhere — other sums). And back: the
+/// checkpoint ZeRO-3 wrote of the whole model loads into tensor-parallel boxes.
+#[test]
+fn a_checkpoint_of_any_layout_loads_into_any_other() {
+    let dir = tmpdir("layouts");
+    let a = dir.join("3d");
+    let d = a.clone();
+    let out = spawn(8, Backend::Local, move |pg| {
+        let mut e = engine(pg, 2, 2, DataDim::Replicate, 5)?;
+        let mut o = opt();
+        let mut losses = engine_steps(&mut e, &mut o, 0, 2)?;
+        checkpoint::save(&e, &o, &d, 2, json!({"note": "3-D"}), &SaveOptions::default())?;
+        let at_save = e.full_parameters()?.map(|p| flat(&p));
+        losses.extend(engine_steps(&mut e, &mut o, 2, 4)?);
+        Ok((at_save, losses, e.full_parameters()?.map(|p| flat(&p))))
+    })
+    .unwrap();
+    let (at_save, losses, fin) = match &out[0] {
+        (Some(s), l, Some(f)) => (s.clone(), l.clone(), f.clone()),
+        _ => panic!("rank 0 gathers the whole model"),
+    };
+    let meta = checkpoint::read_metadata(&checkpoint::resolve(&a).unwrap()).unwrap();
+    let boxes = meta.tensors.values().flat_map(|t| &t.pieces).filter(|p| p.region.is_some()).count();
+    assert!(boxes > 0, "tensor-parallel slices are saved as boxes of the whole tensors");
+    // Consolidated into one file with the model's names: the saved parameters, in the GPT's order.
+    let out = dir.join("3d.safetensors");
+    checkpoint::consolidate(&a, &out, false).unwrap();
+    let mut got: std::collections::BTreeMap<String, Tensor> =
+        Tensor::read_safetensors(&out).unwrap().into_iter().collect();
+    let names: Vec<Tensor> =
+        GptConfig::tiny().param_shapes().iter().map(|(n, _)| got.remove(n).expect("every parameter")).collect();
+    assert!(flat(&names) == at_save, "the consolidated 3-D checkpoint holds the saved parameters");
+    let zero3 = dir.join("zero3");
+    for (name, n, to) in [
+        ("dp2×tp2×pp2", 8, To::Mesh(2, 2, DataDim::Replicate)),
+        ("zero3:dp4", 4, To::Whole(S::Zero(Stage::Three))),
+        ("tp2×pp2", 4, To::Mesh(2, 2, DataDim::Replicate)),
+        ("one process", 1, To::Whole(S::Ddp)),
+        ("zero2:dp2×tp2", 4, To::Mesh(2, 1, DataDim::Zero(Stage::Two))),
+        ("zero1:dp2×pp2", 4, To::Mesh(1, 2, DataDim::Zero(Stage::One))),
+        ("zero3:dp2×tp2×pp2", 8, To::Mesh(2, 2, DataDim::Zero(Stage::Three))),
+    ] {
+        let again = if name == "zero3:dp4" { zero3.clone() } else { dir.join("again") };
+        let _ = std::fs::remove_dir_all(&again);
+        let (loaded, l, f) = load_into(n, to, &a, Some(again.clone()));
+        assert!(loaded.as_ref() == Some(&at_save), "{name}: the loaded parameters are not the saved ones");
+        let f = f.expect("rank 0 gathers the whole model");
+        if name == "dp2×tp2×pp2" {
+            assert_eq!(l, losses[2..], "{name}: the same layout resumes bitwise");
+            assert!(f == fin, "{name}: the same layout resumes bitwise");
+        } else {
+            for (s, (x, y)) in l.iter().zip(&losses[2..]).enumerate() {
+                assert!((x - y).abs() <= 1e-5 * y.abs(), "{name}: step {}: loss {x}, the 3-D run's {y}", s + 2);
+            }
+            let worst = f.iter().zip(&fin).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-4, "{name}: 2 steps after the load, weights {worst} from the 3-D run's");
+        }
+        // Saved again by this layout: the same tensors, bitwise, and the same step counts.
+        let m2 = checkpoint::read_metadata(&checkpoint::resolve(&again).unwrap()).unwrap();
+        assert_eq!(m2.optimizer_steps, meta.optimizer_steps, "{name}: AdamW's step counts");
+        assert_eq!(m2.tensors.keys().collect::<Vec<_>>(), meta.tensors.keys().collect::<Vec<_>>(), "{name}");
+        for t in meta.tensors.keys() {
+            let (x, y) = (checkpoint::read_tensor(&a, t).unwrap(), checkpoint::read_tensor(&again, t).unwrap());
+            assert!(x.equal(&y), "{name}: {t} saved again differs from the 3-D checkpoint's");
+        }
+    }
+    // Whole tensors (ZeRO-3's flat shards of them) back into boxes.
+    let (loaded, ..) = load_into(4, To::Mesh(2, 2, DataDim::Zero(Stage::Two)), &zero3, None);
+    assert!(loaded.as_ref() == Some(&at_save), "zero3's checkpoint into zero2 × tp 2 × pp 2");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `train --tp 2 --pp 2 --checkpoint-dir` then `--resume`: 3-D parallelism (dp 2 × tp 2 × pp 2 on
+/// 8 ranks) saves during the run, and the resumed run's losses and weights are bitwise the
+/// uninterrupted run's at the same layout; resumed as ZeRO-3 on 4 ranks of the whole model (the
+/// same global batch), the same within 1e-5.
+#[test]
+fn a_three_d_job_resumes_at_its_layout_and_at_another() {
+    use shardlab::job::{CheckpointConfig, DataSource, GptJob};
+    use shardlab::pipeline::PipelineConfig;
+    let dir = tmpdir("resume-3d");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokens = dir.join("tokens.bin");
+    spread().write(&tokens).unwrap();
+    let job = |steps: u64, batch_size: usize, save: &str, ck: CheckpointConfig| GptJob {
+        model: GptConfig::tiny(),
+        batch_size,
+        accum: 1,
+        steps,
+        warmup: 0,
+        optim: AdamWConfig { lr: 3e-3, eps: 1e-6, ..AdamWConfig::default() },
+        lr_schedule: Some(LrSchedule { max_lr: 3e-3, min_lr: 3e-4, warmup_iters: 2, decay_iters: 6 }),
+        grad_clip: Some(1.0),
+        data: DataSource::File(tokens.clone()),
+        seed: 1,
+        init: None,
+        save: Some(dir.join(save)),
+        checkpoint: ck,
+    };
+    let three_d = ScalingConfig {
+        num_workers: 8,
+        strategy: Strategy::Ddp,
+        tensor_parallel: 2,
+        pipeline: PipelineConfig { stages: 2, micro_batches: 2, ..PipelineConfig::default() },
+        ..ScalingConfig::default()
+    };
+    let straight =
+        job(6, 2, "straight.safetensors", CheckpointConfig::default()).fit(three_d.clone(), false, false).unwrap();
+    let ck = dir.join("ck");
+    let first = CheckpointConfig { dir: Some(ck.clone()), every: 3, ..Default::default() };
+    let half = job(3, 2, "half.safetensors", first).fit(three_d.clone(), false, false).unwrap();
+    assert!(ck.join("step-00000003").join("metadata.json").is_file());
+    assert!(half.checkpoint_bytes_written > 0, "rank 0 wrote its pieces");
+    let resume = CheckpointConfig { resume: Some(ck.clone()), ..Default::default() };
+    let rest = job(6, 2, "resumed.safetensors", resume.clone()).fit(three_d, false, false).unwrap();
+    let losses: Vec<f64> = half.losses.iter().chain(&rest.losses).copied().collect();
+    assert_eq!(losses, straight.losses, "the resumed 3-D run's losses are the straight run's");
+    let a = std::fs::read(dir.join("straight.safetensors")).unwrap();
+    assert!(a == std::fs::read(dir.join("resumed.safetensors")).unwrap(), "bitwise the same weights");
+    let zero3 = ScalingConfig { num_workers: 4, strategy: Strategy::Zero3, ..ScalingConfig::default() };
+    let other = job(6, 4, "zero3.safetensors", resume).fit(zero3, false, false).unwrap();
+    for (s, (x, y)) in other.losses.iter().zip(&straight.losses[3..]).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "zero3 × 4, step {}: loss {x}, the 3-D run's {y}", s + 3);
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -2,7 +2,8 @@
 //! middle of a checkpoint save — is restarted as a new generation from the latest committed
 //! checkpoint, and the run ends with bitwise the weights of an uninterrupted run; with a rank
 //! lost for good it goes on with fewer ranks (resharding on load) and ends within float
-//! tolerance; it gives up with a clear error after its restarts. One test, because it sets the
+//! tolerance; it gives up with a clear error after its restarts. A tensor-parallel run restarts
+//! from its checkpoints the same way. One test, because it sets the
 //! fault-injection variable of the processes it starts.
 
 use shardlab::job::{CheckpointConfig, DataSource, Elastic, GptJob};
@@ -88,11 +89,23 @@ fn a_killed_rank_restarts_and_the_run_ends_as_if_uninterrupted() {
     let (_, shrunk) = GptJob { batch_size: 4, ..job(&d, "final.safetensors") }
         .fit_elastic(processes(3), &shrink, false, false)
         .unwrap();
+    // Tensor parallelism (tp 2 on 2 processes) restarts from its own checkpoints too.
+    let tp = |n| ScalingConfig { tensor_parallel: 2, ..processes(n) };
+    let t = fresh("tp");
+    fail_at(Some("step:1:3"));
+    let (_, tp_attempts) = job(&t, "final.safetensors").fit_elastic(tp(2), &restarts, false, false).unwrap();
     // No restarts allowed: the failure is the run's error.
     let g = fresh("giveup");
     fail_at(Some("step:1:3"));
     let e = job(&g, "final.safetensors").fit_elastic(processes(2), &Elastic::default(), false, false).unwrap_err();
     fail_at(None);
+    let tr = fresh("tp-reference");
+    job(&tr, "final.safetensors").fit_elastic(tp(2), &restarts, false, false).unwrap();
+    assert_eq!(tp_attempts.len(), 2, "tp: one failure, one restart: {tp_attempts:?}");
+    assert!(
+        weights(&t.join("final.safetensors")) == weights(&tr.join("final.safetensors")),
+        "tp 2: the restarted run must end with bitwise the uninterrupted run's weights"
+    );
 
     // The reference: the same job on the same processes, never interrupted.
     let r = fresh("reference");
@@ -122,7 +135,7 @@ fn a_killed_rank_restarts_and_the_run_ends_as_if_uninterrupted() {
     assert!(worst < 1e-4, "shrunk to 2 ranks: the weights are {worst} from the uninterrupted run's");
     let e = format!("{e:#}");
     assert!(e.contains("gave up after 0 restart(s)") && e.contains("rank 1"), "{e}");
-    for p in [&d, &g, &r] {
+    for p in [&d, &g, &r, &t, &tr] {
         let _ = std::fs::remove_dir_all(p);
     }
     for (_, p, ..) in &runs {

@@ -82,7 +82,7 @@ struct Args {
     #[arg(long)]
     keep_last: Option<usize>,
     /// Continue from a checkpoint: a step-N folder, or a checkpoint folder (its latest). Any
-    /// strategy and world size can resume any checkpoint of the same model.
+    /// strategy, layout (--tp, --pp) and world size can resume any checkpoint of the same model.
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
     /// Elastic: when a rank dies or fails, restart every rank from the latest checkpoint, up to
@@ -284,18 +284,11 @@ fn main() -> anyhow::Result<()> {
         args.pp != 1 || (args.micro_batches.is_none() && args.schedule.is_none()),
         "--micro-batches and --schedule shape a pipeline: give --pp too"
     );
-    if args.pp != 1 {
-        anyhow::ensure!(
-            args.max_restarts == 0 && !args.shrink_on_failure,
-            "--pp is not combined with elastic restarts yet"
-        );
-    }
-    if args.tp != 1 {
-        anyhow::ensure!(
-            args.max_restarts == 0 && !args.shrink_on_failure,
-            "--tp is not combined with elastic restarts yet"
-        );
-    }
+    anyhow::ensure!(
+        (args.tp == 1 && args.pp == 1) || !args.shrink_on_failure,
+        "--shrink-on-failure with --tp or --pp is not built yet (the shrunk world must still divide into tp × pp \
+         ranks); --max-restarts restarts at the same size"
+    );
     let mut scaling = job::scaling(
         args.strategy,
         args.world_size,

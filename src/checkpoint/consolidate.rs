@@ -1,13 +1,51 @@
 //! Consolidating a checkpoint ([`consolidate`]) into one safetensors file with the model's names,
 //! streamed one tensor at a time ([`Consolidated`] says what was written).
 
-use super::{files, fsync_dir, plan, read_metadata, resolve};
+use super::{files, fsync_dir, open_reader, plan, read_metadata, resolve};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 use tch::Tensor;
+
+/// Tensor `name` of checkpoint `meta` in `dir` (`param/NAME`, `exp_avg/NAME`, `exp_avg_sq/NAME`)
+/// whole, from its pieces — each read whole and checked against its checksum.
+fn assemble(
+    meta: &super::Metadata,
+    dir: &Path,
+    readers: &mut BTreeMap<String, files::Reader>,
+    name: &str,
+) -> anyhow::Result<Vec<f32>> {
+    let tm = meta.tensors.get(name).with_context(|| format!("{name} is not in the checkpoint"))?;
+    let numel = tm.shape.iter().product::<i64>();
+    let saved: Vec<Vec<plan::Run>> = tm.pieces.iter().map(|p| p.runs(&tm.shape)).collect();
+    let all = [plan::Run { global: 0, len: numel, offset: 0 }];
+    let reads = plan::plan_region_reads(&saved, &all).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+    let mut whole = vec![0f32; numel as usize];
+    let mut by_piece: BTreeMap<usize, Vec<&plan::Read>> = BTreeMap::new();
+    reads.iter().for_each(|r| by_piece.entry(r.piece).or_default().push(r));
+    for (k, rs) in by_piece {
+        let piece = &tm.pieces[k];
+        let vals = open_reader(readers, meta, dir, &piece.file)?.read_checked(&piece.key, &piece.sha256)?;
+        for r in rs {
+            let (s, d, n) = (r.src as usize, r.dst as usize, r.len as usize);
+            whole[d..d + n].copy_from_slice(&vals[s..s + n]);
+        }
+    }
+    Ok(whole)
+}
+
+/// Tensor `name` of the checkpoint at `path` ([`resolve`]) whole, with its shape, whatever layout
+/// saved it: `param/NAME` (the f32 master values), `exp_avg/NAME` or `exp_avg_sq/NAME` (AdamW's
+/// moments). Every piece is checked against its checksum.
+pub fn read_tensor(path: &Path, name: &str) -> anyhow::Result<Tensor> {
+    let dir = resolve(path)?;
+    let meta = read_metadata(&dir)?;
+    let shape = meta.tensors.get(name).with_context(|| format!("{name} is not in the checkpoint"))?.shape.clone();
+    let vals = assemble(&meta, &dir, &mut BTreeMap::new(), name)?;
+    Ok(Tensor::from_slice(&vals).reshape(shape))
+}
 
 /// What [`consolidate`] wrote.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -68,34 +106,39 @@ pub fn consolidate(path: &Path, out: &Path, bf16: bool) -> anyhow::Result<Consol
         for (name, t) in &names {
             let tm = &meta.tensors[t];
             let numel = tm.shape.iter().product::<i64>();
-            let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
-            // The reads come in the order they land and tile 0..numel, so every one is a whole piece:
-            // each streams from its rank file to the output 1 MiB at a time (no tensor is ever whole
-            // in memory), its checksum checked at its end — a corrupt piece fails the run before the
-            // output is renamed into place.
-            for r in plan::plan_reads(&ranges, 0..numel).map_err(|e| anyhow::anyhow!("{t}: {e}"))? {
-                let piece = &tm.pieces[r.piece];
-                anyhow::ensure!(r.src == 0 && r.len == piece.hi - piece.lo, "{t}: a partial read of a piece");
-                let f = meta
-                    .files
-                    .get(&piece.file)
-                    .with_context(|| format!("{} is not listed in the metadata", piece.file))?;
-                if !readers.contains_key(&piece.file) {
-                    readers.insert(piece.file.clone(), files::Reader::open(&dir.join(&piece.file), f.bytes)?);
+            let mut emit = |bytes: &[u8]| -> anyhow::Result<()> {
+                if bf16 {
+                    let vals: Vec<f32> =
+                        bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                    let t = Tensor::from_slice(&vals).to_kind(tch::Kind::BFloat16);
+                    let b = crate::comm::dtype::TensorBytes::of(&t, name).map_err(anyhow::Error::msg)?;
+                    w.write_all(b.bytes())?;
+                } else {
+                    w.write_all(bytes)?; // f32 little-endian in, f32 little-endian out
                 }
-                let reader = readers.get_mut(&piece.file).expect("opened");
-                reader.stream_checked(&piece.key, &piece.sha256, |bytes| {
-                    if bf16 {
-                        let vals: Vec<f32> =
-                            bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                        let t = Tensor::from_slice(&vals).to_kind(tch::Kind::BFloat16);
-                        let b = crate::comm::dtype::TensorBytes::of(&t, name).map_err(anyhow::Error::msg)?;
-                        w.write_all(b.bytes())?;
-                    } else {
-                        w.write_all(bytes)?; // f32 little-endian in, f32 little-endian out
-                    }
-                    Ok(())
-                })?;
+                Ok(())
+            };
+            if tm.pieces.iter().all(|p| p.region.is_none()) {
+                let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
+                // The reads come in the order they land and tile 0..numel, so every one is a whole
+                // piece: each streams from its rank file to the output 1 MiB at a time (no tensor
+                // is ever whole in memory), its checksum checked at its end — a corrupt piece fails
+                // the run before the output is renamed into place.
+                for r in plan::plan_reads(&ranges, 0..numel).map_err(|e| anyhow::anyhow!("{t}: {e}"))? {
+                    let piece = &tm.pieces[r.piece];
+                    anyhow::ensure!(r.src == 0 && r.len == piece.hi - piece.lo, "{t}: a partial read of a piece");
+                    open_reader(&mut readers, &meta, &dir, &piece.file)?.stream_checked(
+                        &piece.key,
+                        &piece.sha256,
+                        &mut emit,
+                    )?;
+                }
+            } else {
+                // Boxes (tensor-parallel slices): the tensor assembled in memory from its pieces,
+                // each read whole and checked, then written.
+                let whole = assemble(&meta, &dir, &mut readers, t)?;
+                let bytes: Vec<u8> = whole.iter().flat_map(|x| x.to_le_bytes()).collect();
+                emit(&bytes)?;
             }
         }
         Ok(())

@@ -1,45 +1,41 @@
 //! Loading a checkpoint ([`load`]) into any strategy at any world size: each rank plans and reads
 //! only the byte ranges its slots hold, and replicated strategies all-gather the rest.
 
-use super::{agree, files, plan, read_metadata, resolve, Report};
-use crate::comm::ReduceOp;
-use crate::ddp::DataParallel;
+use super::{agree, files, open_reader, plan, read_metadata, resolve, same_everywhere, Holder, Report};
 use crate::optim::{AdamW, AdamWState};
 use anyhow::{ensure, Context};
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::path::Path;
 use tch::Tensor;
 
-/// Load the checkpoint at `path` ([`resolve`]) into `dp`'s parameters and `opt`'s state, whatever
-/// the strategy and world size that saved it (a collective). Each rank reads only the ranges its
-/// slots hold. Every parameter of the model must be in the checkpoint with the same shape; on any
-/// rank's failure every rank returns an error.
-pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::Result<Report> {
+/// Load the checkpoint at `path` ([`resolve`]) into what `h` holds and `opt`'s state, whatever
+/// the layout and world size that saved it (a collective). Each rank reads only the elements its
+/// slots hold (replicated slots: 1/N of them, the replicas all-gather the rest); a saved piece
+/// read whole is checked against its checksum. Every tensor of the model must be in the
+/// checkpoint with the same shape; on any rank's failure every rank returns an error.
+pub fn load<H: Holder + ?Sized>(h: &mut H, opt: &mut AdamW, path: &Path) -> anyhow::Result<Report> {
     let t0 = std::time::Instant::now();
-    let pg = dp.group();
-    let dir = agree(pg, "finding the checkpoint", || resolve(path))?;
-    let meta = agree(pg, "reading the checkpoint's metadata", || read_metadata(&dir))?;
+    let groups = h.groups();
+    let rank = h.global_rank();
+    let dir = agree(&groups, rank, "finding the checkpoint", || resolve(path))?;
+    let meta = agree(&groups, rank, "reading the checkpoint's metadata", || read_metadata(&dir))?;
     // Every rank resolved the folder on its own: make sure they all read the same checkpoint.
-    let mut s = Tensor::from_slice(&[meta.step as f64, -(meta.step as f64)]);
-    pg.all_reduce(&mut s, ReduceOp::Max)?;
-    ensure!(
-        s.double_value(&[0]) == -s.double_value(&[1]),
-        "rank {}: the ranks found different checkpoints in {} (steps up to {} and down to {}): is another job writing there?",
-        pg.rank(),
-        path.display(),
-        s.double_value(&[0]),
-        -s.double_value(&[1])
-    );
-    // Replicated strategies: each rank reads 1/N of every slot and the ranks all-gather the rest
+    if let Some((hi, lo)) = same_everywhere(&groups, &[meta.step as f64])? {
+        anyhow::bail!(
+            "rank {rank}: the ranks found different checkpoints in {} (steps up to {} and down to {}): is another job writing there?",
+            path.display(),
+            hi[0],
+            lo[0]
+        );
+    }
+    // Replicated slots: each rank reads 1/N of every slot and the replicas all-gather the rest
     // (after every rank has read its part without error: no collective inside `agree`).
-    let (rank, n) = (pg.rank(), pg.world_size());
+    let (rep_rank, rep_n) = (h.replicas().rank(), h.replicas().world_size());
     let mut gathers: Vec<Tensor> = Vec::new();
-    let bytes = agree(pg, "reading its pieces", || {
-        let named = dp.model().named_parameters();
-        let shapes = dp.param_shapes();
+    let bytes = agree(&groups, rank, "reading its pieces", || {
+        let tensors = h.tensors();
         let mut problems = Vec::new();
-        for ((name, _), shape) in named.iter().zip(&shapes) {
+        for (name, shape) in &tensors {
             match meta.tensors.get(&format!("param/{name}")) {
                 None => problems.push(format!("{name} is not in the checkpoint")),
                 Some(t) if &t.shape != shape => {
@@ -50,11 +46,9 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
         }
         ensure!(problems.is_empty(), "{} does not fit this model:\n  {}", dir.display(), problems.join("\n  "));
         let has_state = !meta.optimizer_steps.is_empty();
-        let slots = dp.slots();
+        let slots = h.held_slots();
         let mut readers: BTreeMap<String, files::Reader> = BTreeMap::new();
-        let mut m = Vec::new();
-        let mut v = Vec::new();
-        let mut steps = Vec::new();
+        let (mut m, mut v, mut steps) = (Vec::new(), Vec::new(), Vec::new());
         for slot in &slots {
             let mut kinds = vec![("param", slot.master.detach())];
             if has_state {
@@ -65,58 +59,60 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
                 // One step count per slot. A parameter that never got a gradient has a lower count
                 // than the others of a ZeRO unit; its moments are zero, so the unit's count (the
                 // largest) only matters for their bias correction — as in FSDP's flat parameters.
-                let counts = slot.pieces.iter().filter_map(|(i, ..)| meta.optimizer_steps.get(&named[*i].0).copied());
+                let counts = slot.pieces.iter().filter_map(|p| meta.optimizer_steps.get(&tensors[p.tensor].0).copied());
                 steps.push(counts.max().unwrap_or(0));
             }
-            let own = if slot.replicated && n > 1 {
-                let numel = slot.master.numel() as i64;
-                plan::owned_range(numel, rank, n)
-            } else {
-                0..slot.master.numel() as i64
-            };
+            let numel = slot.master.numel() as i64;
+            let replicated = slot.replicated && rep_n > 1;
+            let own = if replicated { plan::owned_range(numel, rep_rank, rep_n) } else { 0..numel };
             for (kind, dst) in kinds {
                 let dst = dst.view([-1]);
-                if slot.replicated && n > 1 {
+                if replicated {
                     gathers.push(dst.shallow_clone());
                 }
-                for (i, within, at) in &slot.pieces {
+                for piece in &slot.pieces {
                     // The part of this piece inside the range this rank reads.
-                    let (lo, hi) = (at.start.max(own.start), at.end.min(own.end));
+                    let (lo, hi) = (piece.at.start.max(own.start), piece.at.end.min(own.end));
                     if lo >= hi {
                         continue;
                     }
-                    let within = within.start + (lo - at.start)..within.start + (hi - at.start);
-                    let at = lo..hi;
-                    let t = format!("{kind}/{}", named[*i].0);
+                    let within = piece.within.start + (lo - piece.at.start)..piece.within.start + (hi - piece.at.start);
+                    let (tname, shape) = &tensors[piece.tensor];
+                    let t = format!("{kind}/{tname}");
                     let tm = meta.tensors.get(&t).with_context(|| format!("{t} is not in the checkpoint"))?;
-                    let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
-                    let reads = plan::plan_reads(&ranges, within.clone()).map_err(|e| anyhow::anyhow!("{t}: {e}"))?;
-                    for r in reads {
-                        let piece = &tm.pieces[r.piece];
-                        let f = &meta
-                            .files
-                            .get(&piece.file)
-                            .with_context(|| format!("{} is not listed in the metadata", piece.file))?;
-                        if !readers.contains_key(&piece.file) {
-                            readers.insert(piece.file.clone(), files::Reader::open(&dir.join(&piece.file), f.bytes)?);
-                        }
-                        let reader = readers.get_mut(&piece.file).unwrap();
+                    let saved: Vec<Vec<plan::Run>> = tm.pieces.iter().map(|p| p.runs(shape)).collect();
+                    let want = plan::runs(shape, &piece.region, within.clone());
+                    let reads = plan::plan_region_reads(&saved, &want).map_err(|e| anyhow::anyhow!("{t}: {e}"))?;
+                    // Into a host buffer, then one copy into the slot (staging a CUDA tensor).
+                    let mut buf = vec![0f32; (hi - lo) as usize];
+                    let mut by_piece: BTreeMap<usize, Vec<&plan::Read>> = BTreeMap::new();
+                    reads.iter().for_each(|r| by_piece.entry(r.piece).or_default().push(r));
+                    for (k, rs) in by_piece {
+                        let sp = &tm.pieces[k];
+                        let reader = open_reader(&mut readers, &meta, &dir, &sp.file)?;
                         ensure!(
-                            reader.numel(&piece.key) == Some(piece.hi - piece.lo),
+                            reader.numel(&sp.key) == Some(sp.hi - sp.lo),
                             "{}: {} holds {:?} elements, the metadata says {}",
-                            piece.file,
-                            piece.key,
-                            reader.numel(&piece.key),
-                            piece.hi - piece.lo
+                            sp.file,
+                            sp.key,
+                            reader.numel(&sp.key),
+                            sp.hi - sp.lo
                         );
-                        let whole = r.src == 0 && r.len == piece.hi - piece.lo;
-                        let vals = if whole {
-                            reader.read_checked(&piece.key, &piece.sha256)?
+                        // A saved piece this wanted range needs whole is read in one go and checked.
+                        if rs.iter().map(|r| r.len).sum::<i64>() == sp.hi - sp.lo {
+                            let vals = reader.read_checked(&sp.key, &sp.sha256)?;
+                            for r in rs {
+                                let (s, d) = (r.src as usize, r.dst as usize);
+                                buf[d..d + r.len as usize].copy_from_slice(&vals[s..s + r.len as usize]);
+                            }
                         } else {
-                            reader.read(&piece.key, r.src, r.len)?
-                        };
-                        tch::no_grad(|| dst.narrow(0, at.start + r.dst, r.len).copy_(&Tensor::from_slice(&vals)));
+                            for r in rs {
+                                let d = r.dst as usize;
+                                reader.read_into(&sp.key, r.src, &mut buf[d..d + r.len as usize])?;
+                            }
+                        }
                     }
+                    tch::no_grad(|| dst.narrow(0, lo, hi - lo).copy_(&Tensor::from_slice(&buf)));
                 }
             }
         }
@@ -124,17 +120,18 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
         opt.load_state(AdamWState { steps, m, v }).map_err(anyhow::Error::msg)?;
         Ok(readers.values().map(|r| r.bytes_read).sum::<u64>())
     })?;
-    // Every rank found its own metadata: make sure they gather the same tensors (else a hang).
+    // Every rank found its own metadata: make sure the replicas gather the same tensors (else a hang).
     let total: i64 = gathers.iter().map(|t| t.numel() as i64).sum();
-    let mut c = Tensor::from_slice(&[gathers.len() as f64, total as f64, -(gathers.len() as f64), -(total as f64)]);
-    pg.all_reduce(&mut c, ReduceOp::Max)?;
+    let pg = h.replicas();
+    let n = rep_n;
     ensure!(
-        c.double_value(&[0]) == -c.double_value(&[2]) && c.double_value(&[1]) == -c.double_value(&[3]),
+        same_everywhere(&[pg], &[gathers.len() as f64, total as f64])?.is_none(),
         "rank {rank}: the ranks planned different all-gathers for {} (one found optimizer state, another did not?)",
         dir.display()
     );
     // The all-gathers, one per tensor, in slot order on every rank (batching them into 64 MiB
     // buckets measured slower on 2 cores). Parts are padded to one length.
+    let rank = rep_rank;
     for dst in &gathers {
         let numel = dst.numel() as i64;
         let chunk = (numel + n as i64 - 1) / n as i64;
@@ -149,6 +146,6 @@ pub fn load(dp: &mut dyn DataParallel, opt: &mut AdamW, path: &Path) -> anyhow::
             tch::no_grad(|| dst.narrow(0, r.start, r.end - r.start).copy_(&part));
         }
     }
-    dp.masters_loaded()?;
+    h.loaded()?;
     Ok(Report { path: dir, step: meta.step, bytes, seconds: t0.elapsed().as_secs_f64(), extra: meta.extra })
 }

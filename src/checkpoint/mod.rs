@@ -20,6 +20,17 @@
 //! Loading plans, per wanted range, the reads from the saved pieces ([`plan::plan_reads`]):
 //! resharding N → M and between strategies is interval arithmetic.
 //!
+//! Any layout, DCP's model: what a rank holds is described by a [`Holder`] — slots of values the
+//! optimizer steps, each made of pieces of the model's tensors, a piece a flat range of a *box*
+//! of its tensor ([`plan::Region`]; the whole tensor unless tensor parallelism split it). The
+//! data-parallel strategies are holders of whole tensors; the engine ([`crate::engine::Engine`])
+//! of tensor- and pipeline-parallel pieces, sharded by ZeRO or replicated over the data
+//! dimension. Of the copies of a value (DDP's replicas, a LayerNorm on every tensor-parallel
+//! rank, the tied embedding on two stages) one rank writes it — the one that counts its gradient
+//! in the global norm — and replicas over the data dimension split it between them. A checkpoint
+//! saved by any holder loads into any other: the reads are the intersections of the boxes' runs
+//! ([`plan::plan_region_reads`]).
+//!
 //! Commit (the scheme of PyTorch DCP and of every database): write into `step-N.tmp/`, fsync each
 //! file, write `metadata.json` last and fsync it and the folder, rename the folder to `step-N`,
 //! fsync the parent, then replace `latest` (write, fsync, rename). A crash anywhere leaves the
@@ -31,22 +42,24 @@ pub mod plan;
 pub mod sim;
 
 mod consolidate;
+mod holder;
 mod load;
 mod save;
 
-pub use consolidate::{consolidate, Consolidated};
+pub use consolidate::{consolidate, read_tensor, Consolidated};
+pub use holder::{HeldPiece, HeldSlot, Holder};
 pub use load::load;
 pub use save::save;
 
-use crate::comm::{ProcessGroup, ReduceOp};
+use crate::comm::{CommResult, ProcessGroup, ReduceOp};
 use anyhow::{bail, ensure, Context};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::Tensor;
 
-/// The metadata format this code writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The metadata format this code writes (version 1, without boxes, it reads too).
+pub const FORMAT_VERSION: u32 = 2;
 const METADATA: &str = "metadata.json";
 const LATEST: &str = "latest";
 
@@ -74,7 +87,8 @@ pub struct TensorMeta {
     pub pieces: Vec<PieceMeta>,
 }
 
-/// Elements `lo..hi` of a tensor (flattened), stored as `key` in `file`.
+/// Elements `lo..hi` of a tensor (flattened) — of the box `region` of it when there is one —
+/// stored as `key` in `file`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PieceMeta {
     pub rank: usize,
@@ -83,6 +97,17 @@ pub struct PieceMeta {
     pub lo: i64,
     pub hi: i64,
     pub sha256: String,
+    /// The box of the tensor the piece is a flat range of (absent: the whole tensor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<plan::Region>,
+}
+
+impl PieceMeta {
+    /// The piece's runs of its tensor (`shape`) ([`plan::runs`]).
+    pub fn runs(&self, shape: &[i64]) -> Vec<plan::Run> {
+        let whole = plan::Region::whole(shape);
+        plan::runs(shape, self.region.as_ref().unwrap_or(&whole), self.lo..self.hi)
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -129,25 +154,55 @@ pub fn step_dir_name(step: u64) -> String {
     format!("step-{step:08}")
 }
 
-/// Run `f` on this rank, then agree with every rank: if any rank failed, every rank returns an
-/// error (its own, or one saying which rank failed), so that no rank goes on alone.
-fn agree<T>(pg: &ProcessGroup, what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+/// Run `f` on this rank, then agree with every rank (over `groups`, which together span them):
+/// if any rank failed, every rank returns an error (its own, or one saying which rank failed), so
+/// that no rank goes on alone. `rank`: this rank's global index.
+fn agree<T>(
+    groups: &[&ProcessGroup],
+    rank: usize,
+    what: &str,
+    f: impl FnOnce() -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
     // A panic (a malformed file reaching an indexing bug) is this rank's error, not a hang of the others.
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
         .unwrap_or_else(|p| Err(anyhow::anyhow!("panicked: {}", panic_text(&p))));
-    let mut flag = Tensor::from_slice(&[if r.is_err() { pg.rank() as f64 + 1.0 } else { 0.0 }]);
-    if let Err(e) = pg.all_reduce(&mut flag, ReduceOp::Max) {
+    let mut flag = Tensor::from_slice(&[if r.is_err() { rank as f64 + 1.0 } else { 0.0 }]);
+    if let Err(e) = groups.iter().try_for_each(|g| g.all_reduce(&mut flag, ReduceOp::Max)) {
         let mine = r.err().map(|e| format!(" (and this rank failed: {e:#})")).unwrap_or_default();
-        bail!("rank {}: {what}: the ranks could not agree: {e}{mine}", pg.rank());
+        bail!("rank {rank}: {what}: the ranks could not agree: {e}{mine}");
     }
     let failed = flag.double_value(&[0]) as usize;
     match r {
-        Err(e) => Err(e.context(format!("rank {}: {what}", pg.rank()))),
+        Err(e) => Err(e.context(format!("rank {rank}: {what}"))),
         Ok(_) if failed > 0 => {
-            bail!("rank {}: {what}: rank {} failed (its error says why); nothing was changed", pg.rank(), failed - 1)
+            bail!("rank {rank}: {what}: rank {} failed (its error says why); nothing was changed", failed - 1)
         }
         Ok(v) => Ok(v),
     }
+}
+
+/// The same value on every rank (over `groups`), or an error naming the two extremes.
+fn same_everywhere(groups: &[&ProcessGroup], values: &[f64]) -> CommResult<Option<(Vec<f64>, Vec<f64>)>> {
+    let mut t = Tensor::from_slice(&values.iter().flat_map(|&v| [v, -v]).collect::<Vec<f64>>());
+    groups.iter().try_for_each(|g| g.all_reduce(&mut t, ReduceOp::Max))?;
+    let v: Vec<f64> = Vec::<f64>::try_from(&t).unwrap_or_default();
+    let (hi, lo): (Vec<f64>, Vec<f64>) = v.chunks(2).map(|c| (c[0], -c[1])).unzip();
+    Ok((hi != lo).then_some((hi, lo)))
+}
+
+/// The reader of rank file `file` of checkpoint `dir`, opened on first use (its size checked
+/// against the metadata).
+fn open_reader<'a>(
+    readers: &'a mut BTreeMap<String, files::Reader>,
+    meta: &Metadata,
+    dir: &Path,
+    file: &str,
+) -> anyhow::Result<&'a mut files::Reader> {
+    let f = meta.files.get(file).with_context(|| format!("{file} is not listed in the metadata"))?;
+    if !readers.contains_key(file) {
+        readers.insert(file.to_string(), files::Reader::open(&dir.join(file), f.bytes)?);
+    }
+    Ok(readers.get_mut(file).expect("opened"))
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
@@ -238,8 +293,8 @@ pub fn read_metadata(dir: &Path) -> anyhow::Result<Metadata> {
     let v: serde_json::Value = serde_json::from_slice(&text).with_context(|| format!("{} is not JSON", p.display()))?;
     let version = v["format_version"].as_u64().with_context(|| format!("{}: no format_version", p.display()))?;
     ensure!(
-        version == FORMAT_VERSION as u64,
-        "{}: format version {version}; this shardlab reads version {FORMAT_VERSION}",
+        version == FORMAT_VERSION as u64 || version == 1,
+        "{}: format version {version}; this shardlab reads versions 1 to {FORMAT_VERSION}",
         p.display()
     );
     let meta: Metadata = serde_json::from_value(v).with_context(|| format!("{}: malformed metadata", p.display()))?;
@@ -251,6 +306,22 @@ pub fn read_metadata(dir: &Path) -> anyhow::Result<Metadata> {
     };
     for f in meta.files.keys().chain(meta.tensors.values().flat_map(|t| t.pieces.iter().map(|p| &p.file))) {
         ensure!(rank_file(f), "{}: {f:?} is not a rank file name (rank-NNNNN.safetensors)", p.display());
+    }
+    // Every piece inside its tensor (a box inside the shape, a range inside the box).
+    for (name, t) in &meta.tensors {
+        for piece in &t.pieces {
+            let whole = plan::Region::whole(&t.shape);
+            let region = piece.region.as_ref().unwrap_or(&whole);
+            region.check(&t.shape).map_err(|e| anyhow::anyhow!("{}: {name}: {e}", p.display()))?;
+            ensure!(
+                0 <= piece.lo && piece.lo <= piece.hi && piece.hi <= region.numel(),
+                "{}: {name}: elements {}..{} of a box of {}",
+                p.display(),
+                piece.lo,
+                piece.hi,
+                region.numel()
+            );
+        }
     }
     Ok(meta)
 }

@@ -3,22 +3,21 @@
 //! documentation of `checkpoint`).
 
 use super::{
-    agree, committed, files, fsync_dir, plan, remove_checkpoint, step_dir_name, write_synced, FileMeta, Metadata,
-    PieceMeta, RankIndex, Report, SaveOptions, TensorMeta, FORMAT_VERSION, LATEST, METADATA,
+    agree, committed, files, fsync_dir, plan, remove_checkpoint, step_dir_name, write_synced, FileMeta, Holder,
+    Metadata, PieceMeta, RankIndex, Report, SaveOptions, TensorMeta, FORMAT_VERSION, LATEST, METADATA,
 };
-use crate::ddp::DataParallel;
 use crate::optim::{AdamW, AdamWState};
 use anyhow::{ensure, Context};
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use tch::Tensor;
 
-/// Save `dp`'s parameters and `opt`'s state at `step` into `dir` (a collective: every rank calls
-/// it). `extra`: the job's state, stored in the metadata. Returns what this rank wrote. On any
-/// rank's failure every rank returns an error and the previous checkpoints are untouched.
-pub fn save(
-    dp: &dyn DataParallel,
+/// Save what `h` holds (its parameters' master values) and `opt`'s state at `step` into `dir` (a
+/// collective: every rank calls it). `extra`: the job's state, stored in the metadata. Returns
+/// what this rank wrote. On any rank's failure every rank returns an error and the previous
+/// checkpoints are untouched. CUDA tensors are staged through host memory, one piece at a time.
+pub fn save<H: Holder + ?Sized>(
+    h: &H,
     opt: &AdamW,
     dir: &Path,
     step: u64,
@@ -26,12 +25,14 @@ pub fn save(
     opts: &SaveOptions,
 ) -> anyhow::Result<Report> {
     let t0 = std::time::Instant::now();
-    let pg = dp.group();
-    let (rank, n) = (pg.rank(), pg.world_size());
+    let groups = h.groups();
+    let rank = h.global_rank();
+    let n: usize = groups.iter().map(|g| g.world_size()).product();
+    let (rep_rank, rep_n) = (h.replicas().rank(), h.replicas().world_size());
     let name = step_dir_name(step);
     let tmp = dir.join(format!("{name}.tmp"));
     // ---- rank 0 prepares the folder (and removes what earlier crashed saves left) ----
-    agree(pg, "preparing the checkpoint folder", || {
+    agree(&groups, rank, "preparing the checkpoint folder", || {
         if rank == 0 {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             for e in std::fs::read_dir(dir)?.flatten() {
@@ -45,46 +46,58 @@ pub fn save(
         Ok(())
     })?;
     // ---- every rank writes its pieces ----
-    let written = agree(pg, "writing its rank file", || {
-        let names: Vec<String> = dp.model().named_parameters().into_iter().map(|(n, _)| n).collect();
-        let shapes = dp.param_shapes();
+    let written = agree(&groups, rank, "writing its rank file", || {
+        let tensors_of_model = h.tensors();
         let state: AdamWState = opt.state_views(); // no copy: written from the moments themselves
         let has_state = !state.m.is_empty();
+        let slots = h.held_slots();
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         let mut pieces: Vec<(String, Vec<i64>, PieceMeta)> = Vec::new();
         let mut optimizer_steps = BTreeMap::new();
         let file = format!("rank-{rank:05}.safetensors");
-        for (s, slot) in dp.slots().iter().enumerate() {
+        // Host copies of device tensors (CUDA), made once per slot and kind.
+        let host = |t: Tensor| if t.device() == tch::Device::Cpu { t } else { t.to_device(tch::Device::Cpu) };
+        for (s, slot) in slots.iter().enumerate() {
             let master = slot.master.detach();
             ensure!(master.is_contiguous(), "slot {s}: its master tensor is not contiguous");
-            let flat = |t: &Tensor| t.view([-1]);
+            if has_state {
+                ensure!(s < state.m.len(), "the optimizer has {} slots, the holder {}", state.m.len(), slots.len());
+            }
+            if !slot.writes {
+                continue;
+            }
+            let flat = |t: &Tensor| host(t.view([-1]));
             let mut kinds = vec![("param", flat(&master))];
             if has_state {
-                ensure!(
-                    s < state.m.len(),
-                    "the optimizer has {} slots, the strategy {}",
-                    state.m.len(),
-                    dp.slots().len()
-                );
                 kinds.push(("exp_avg", flat(&state.m[s])));
                 kinds.push(("exp_avg_sq", flat(&state.v[s])));
             }
-            for (i, within, at) in &slot.pieces {
-                // Replicated: rank r writes the r-th of N balanced ranges of the piece.
+            for piece in &slot.pieces {
+                let (tname, shape) = &tensors_of_model[piece.tensor];
+                let (within, at) = (&piece.within, &piece.at);
+                // Replicated: rank r of the replicas writes the r-th of N balanced ranges of the piece.
                 let (within, at) = if slot.replicated {
-                    let own = plan::owned_range(within.end - within.start, rank, n);
+                    let own = plan::owned_range(within.end - within.start, rep_rank, rep_n);
                     (within.start + own.start..within.start + own.end, at.start + own.start..at.start + own.end)
                 } else {
                     (within.clone(), at.clone())
                 };
                 if has_state {
-                    optimizer_steps.insert(names[*i].clone(), state.steps[s]);
+                    optimizer_steps.insert(tname.clone(), state.steps[s]);
                 }
                 if within.is_empty() {
                     continue;
                 }
+                let whole = piece.region.is_whole(shape);
+                // A key per piece: the box's offsets tell the boxes of one tensor apart (a rank's
+                // q, k and v rows of c_attn).
+                let place = if whole {
+                    String::new()
+                } else {
+                    piece.region.offsets.iter().map(|o| format!("{o},")).collect::<String>()
+                };
                 for (kind, t) in &kinds {
-                    let key = format!("{kind}/{}/{}", names[*i], within.start);
+                    let key = format!("{kind}/{tname}/{place}{}", within.start);
                     tensors.push((key.clone(), t.narrow(0, at.start, at.end - at.start)));
                     let meta = PieceMeta {
                         rank,
@@ -93,8 +106,9 @@ pub fn save(
                         lo: within.start,
                         hi: within.end,
                         sha256: String::new(),
+                        region: (!whole).then(|| piece.region.clone()),
                     };
-                    pieces.push((format!("{kind}/{}", names[*i]), shapes[*i].clone(), meta));
+                    pieces.push((format!("{kind}/{tname}"), shape.clone(), meta));
                 }
             }
         }
@@ -110,7 +124,7 @@ pub fn save(
     })?;
     // ---- rank 0 merges the indexes, writes the metadata last, commits ----
     let path = dir.join(&name);
-    agree(pg, "committing the checkpoint", || {
+    agree(&groups, rank, "committing the checkpoint", || {
         if rank != 0 {
             return Ok(());
         }
@@ -137,11 +151,19 @@ pub fn save(
                 }
             }
         }
-        // Every tensor covered exactly once.
+        // Every tensor covered exactly once (a tensor no rank wrote is a hole too).
+        let kinds: &[&str] =
+            if meta.optimizer_steps.is_empty() { &["param"] } else { &["param", "exp_avg", "exp_avg_sq"] };
+        for (t, _) in h.tensors() {
+            for k in kinds {
+                ensure!(meta.tensors.contains_key(&format!("{k}/{t}")), "{k}/{t}: no rank wrote it");
+            }
+        }
         for (t, tm) in &meta.tensors {
             let numel = tm.shape.iter().product::<i64>();
-            let ranges: Vec<Range<i64>> = tm.pieces.iter().map(|p| p.lo..p.hi).collect();
-            plan::plan_reads(&ranges, 0..numel)
+            let saved: Vec<Vec<plan::Run>> = tm.pieces.iter().map(|p| p.runs(&tm.shape)).collect();
+            let all = [plan::Run { global: 0, len: numel, offset: 0 }];
+            plan::plan_region_reads(&saved, &all)
                 .map_err(|e| anyhow::anyhow!("{t}: the ranks' pieces do not tile it: {e}"))?;
         }
         write_synced(&tmp.join(METADATA), &serde_json::to_vec_pretty(&meta)?)?;

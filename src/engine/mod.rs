@@ -27,10 +27,17 @@
 //! A layout with neither tp nor pp runs the data-parallel strategies on the whole model
 //! ([`crate::ddp`], [`crate::zero`]), which overlap communication with backward block by block.
 //!
+//! Checkpoints: an engine is a [`Holder`](crate::checkpoint::Holder) — what its rank holds, as
+//! boxes of the GPT's tensors (tensor-parallel slices) and flat ranges of them (ZeRO's shards) —
+//! so [`checkpoint::save`](crate::checkpoint::save) and [`load`](crate::checkpoint::load) take
+//! any layout to any other (`state.rs`).
+//!
 //! Files: this one (the layout), `piece.rs` (what a piece is; tensor and pipeline pieces),
-//! `tp_pipeline.rs` (the 3-D piece), `step.rs` (the engine and its step).
+//! `tp_pipeline.rs` (the 3-D piece), `step.rs` (the engine and its step), `state.rs` (what a rank
+//! holds, for checkpoints).
 
 mod piece;
+mod state;
 mod step;
 mod tp_pipeline;
 

@@ -25,6 +25,9 @@ pub struct PieceStep {
 pub trait Piece {
     /// The parameters this rank holds (handles, not copies), in a fixed order.
     fn params(&self) -> Vec<Tensor>;
+    /// Each of [`params`](Self::params)' index in the GPT's `named_parameters` (a tensor-parallel
+    /// piece holds its slice of it, [`split_of`](crate::tp::split_of)).
+    fn indices(&self) -> Vec<usize>;
     /// Whether each parameter's gradient counts in the global norm on this rank, over the
     /// model-parallel dimensions (a split slice on every rank that holds a slice, a replicated or
     /// tied tensor on one of its holders).
@@ -46,6 +49,9 @@ pub trait Piece {
 impl Piece for TpGpt {
     fn params(&self) -> Vec<Tensor> {
         TpGpt::params(self)
+    }
+    fn indices(&self) -> Vec<usize> {
+        self.indexed_params().into_iter().map(|(k, _)| k).collect()
     }
     fn counted(&self, mesh: &DeviceMesh) -> Vec<bool> {
         let first = mesh.coord("tp") == 0;
@@ -113,6 +119,9 @@ impl Piece for PipelinePiece {
     fn params(&self) -> Vec<Tensor> {
         let all = self.gpt.parameters();
         self.mine.iter().map(|&k| all[k].shallow_clone()).collect()
+    }
+    fn indices(&self) -> Vec<usize> {
+        self.mine.clone()
     }
     fn counted(&self, mesh: &DeviceMesh) -> Vec<bool> {
         self.mine.iter().map(|&k| self.lowest(k) == Some(mesh.coord("pp"))).collect()

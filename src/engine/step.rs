@@ -14,7 +14,7 @@ use tch::Tensor;
 
 /// The mesh's groups outermost first (pp, dp, tp): a rank's row-major index over them is its
 /// global rank.
-fn groups(mesh: &DeviceMesh) -> [&ProcessGroup; 3] {
+pub(super) fn groups(mesh: &DeviceMesh) -> [&ProcessGroup; 3] {
     [mesh.group("pp"), mesh.group("dp"), mesh.group("tp")]
 }
 
@@ -31,10 +31,12 @@ fn abort(mesh: &DeviceMesh, e: CommError) -> CommError {
 /// One rank's engine (see the module docs of [`crate::engine`]).
 pub struct Engine {
     pub dims: ParallelDims,
-    mesh: DeviceMesh,
-    piece: Box<dyn Piece>,
+    /// The whole model's configuration.
+    pub(super) cfg: GptConfig,
+    pub(super) mesh: DeviceMesh,
+    pub(super) piece: Box<dyn Piece>,
     /// ZeRO over dp; `None`: DDP.
-    shards: Option<ShardedTensors>,
+    pub(super) shards: Option<ShardedTensors>,
     /// DDP: bytes of the last step's gradients (they live only during a step), measured.
     last_grad_bytes: u64,
     /// ZeRO-3: bytes of the piece's parameters gathered for the last step.
@@ -130,7 +132,7 @@ pub fn parallelize(
             return Err(anyhow::Error::new(e));
         }
     };
-    Ok(Engine { dims, mesh, piece, shards, last_grad_bytes: 0, gathered: 0, peak_transient: 0 })
+    Ok(Engine { dims, cfg: *cfg, mesh, piece, shards, last_grad_bytes: 0, gathered: 0, peak_transient: 0 })
 }
 
 impl Engine {

@@ -84,14 +84,14 @@ impl TpPipelinePiece {
     fn lowest(&self, k: usize) -> Option<usize> {
         self.owned.iter().position(|o| o.contains(&k))
     }
-    fn indices(&self) -> Vec<usize> {
-        self.m.indexed_params().into_iter().map(|(k, _)| k).collect()
-    }
 }
 
 impl Piece for TpPipelinePiece {
     fn params(&self) -> Vec<Tensor> {
         self.m.params()
+    }
+    fn indices(&self) -> Vec<usize> {
+        self.m.indexed_params().into_iter().map(|(k, _)| k).collect()
     }
     /// A split slice on every tensor rank, a replicated tensor on tensor rank 0 — on the lowest
     /// pipeline rank that uses it (the tied wte on the first).

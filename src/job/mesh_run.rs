@@ -14,8 +14,13 @@
 //! piece one after another ([`Engine::train_step_accum`](crate::engine::Engine::train_step_accum)); under pipeline parallelism each is a
 //! whole pipelined step of `--micro-batches`.
 //!
-//! What is not combined with tensor or pipeline parallelism yet — mixed precision, distributed
-//! checkpoints, offload, GPUs, and `every:K` activation checkpointing
+//! Distributed checkpoints (`--checkpoint-dir`, `--resume`) save what each rank holds with its
+//! place in the whole model ([`crate::checkpoint`]; the engine is a
+//! [`Holder`](crate::checkpoint::Holder)), so a run resumes at any layout from a checkpoint of any
+//! other — or of the data-parallel strategies, and they from one of these.
+//!
+//! What is not combined with tensor or pipeline parallelism yet — mixed precision, offload, GPUs,
+//! and `every:K` activation checkpointing
 //! with `--pp` but no `--tp` ([`parallelize`]) — is refused with the reason on every rank before
 //! any computes; elastic restarts with `--tp` or `--pp` are refused by `train` itself.
 
@@ -71,7 +76,6 @@ fn unsupported(job: &GptJob, ctx: &TrainContext, dims: &ParallelDims) -> Option<
             Some(format!("--strategy single runs one replica, but the layout has {} (use ddp or zero1/2/3)", dims.dp))
         }
         _ if s.precision != crate::precision::Precision::Fp32 => no("mixed precision"),
-        _ if job.checkpoint.dir.is_some() || job.checkpoint.resume.is_some() => no("distributed checkpoints"),
         _ if s.offload => no("offload"),
         _ if s.device != crate::device::DeviceChoice::Cpu || s.use_gpu => no("GPUs"),
         _ => None,
@@ -116,6 +120,20 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     let mut engine = parallelize(ctx.group(), &plan, &job.model, &build)?;
     let data = job.data.load()?;
     let mut opt = AdamW::new(job.optim);
+    let mut start = 0;
+    let (mut save_s, mut save_bytes, mut load_s, mut load_bytes) = (0.0, 0, 0.0, 0);
+    if let Some(from) = &job.checkpoint.resume {
+        let r = crate::checkpoint::load(&mut engine, &mut opt, from)?;
+        (load_s, load_bytes) = (r.seconds, r.bytes);
+        job.check_resumable(&r.extra, n)?;
+        start = r.step;
+        anyhow::ensure!(
+            start <= job.steps,
+            "the checkpoint is at step {start}, past this run's {} steps (to train on, ask for more --steps with the \
+             same LR schedule: --lr-decay-iters)",
+            job.steps
+        );
+    }
     let dp = engine.mesh().coord("dp");
     let sampler = DistributedSampler::new(job.model.block_size as usize, job.batch_size * n, dp, dims.dp, job.seed)?;
     let tokens_per_step = (job.batch_size * n) as f64 * job.model.block_size as f64;
@@ -125,8 +143,8 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     let sent = |ctx: &TrainContext, e: &crate::engine::Engine| ctx.group().stats().bytes_sent + e.bytes_sent();
     let sent0 = sent(ctx, &engine);
     crate::bench::reset_peak_rss();
-    let warmup = job.warmup.min(job.steps.saturating_sub(1));
-    for step in 0..job.steps {
+    let warmup = (start + job.warmup).min(job.steps.saturating_sub(1));
+    for step in start..job.steps {
         crate::launch::injected_failure("step", ctx.rank(), step)?;
         let batch = sampler.batch(&data, step);
         ctx.group().barrier()?;
@@ -158,6 +176,18 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
             step_s.push(dt);
         }
         ctx.report(line)?;
+        if let Some(dir) = &job.checkpoint.dir {
+            let every = job.checkpoint.every > 0 && (step + 1) % job.checkpoint.every == 0;
+            if every || (step + 1 == job.steps && job.checkpoint.at_end) {
+                let extra = json!({"job": job, "strategy": s.strategy, "world_size": n, "layout": dims.name(plan.data, s.sequence_parallel),
+                                   "precision": s.precision, "scaler": null, "loss": loss});
+                let opts = crate::checkpoint::SaveOptions { keep_last: job.checkpoint.keep_last, ..Default::default() };
+                let r = crate::checkpoint::save(&engine, &opt, dir, step + 1, extra, &opts)
+                    .map_err(|e| anyhow::anyhow!("step {step}: saving the checkpoint: {e:#}"))?;
+                save_s += r.seconds;
+                save_bytes += r.bytes;
+            }
+        }
     }
     if let Some(p) = &job.save {
         let full = engine.full_parameters()?;
@@ -166,7 +196,7 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
             crate::model::write_state_dict(crate::model::Model::state_dict_of(&names, full), p)?;
         }
     }
-    let sent_per_step = (sent(ctx, &engine) - sent0) as f64 / job.steps.max(1) as f64;
+    let sent_per_step = (sent(ctx, &engine) - sent0) as f64 / (job.steps - start).max(1) as f64;
     let median = crate::bench::median(&mut step_s);
     Ok(RunSummary {
         strategy: dims.name(plan.data, s.sequence_parallel),
@@ -186,8 +216,12 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
         peak_rss_bytes: crate::bench::peak_rss_bytes(),
         precision: crate::precision::Precision::Fp32,
         pipeline: (dims.pp > 1).then(|| PipelineStats { bubble: crate::bench::median(&mut bubbles), peak_in_flight }),
-        // No DDP timings (the pieces' collectives are not timed apart from compute), no GPU, no
-        // checkpoints: their defaults.
+        checkpoint_save_s: save_s,
+        checkpoint_bytes_written: save_bytes,
+        resume_load_s: load_s,
+        resume_bytes_read: load_bytes,
+        // No DDP timings (the pieces' collectives are not timed apart from compute), no GPU: their
+        // defaults.
         ..Default::default()
     })
 }

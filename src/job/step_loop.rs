@@ -169,7 +169,7 @@ impl GptJob {
 
     /// A checkpoint's job state against this job: the model must be the same, and so must the
     /// seed (or the resumed run would not continue the saved one).
-    fn check_resumable(&self, extra: &serde_json::Value, world_size: usize) -> anyhow::Result<()> {
+    pub(super) fn check_resumable(&self, extra: &serde_json::Value, world_size: usize) -> anyhow::Result<()> {
         let Some(saved) = extra.get("job") else { return Ok(()) };
         let saved: GptJob = serde_json::from_value(saved.clone())?;
         let mut diffs = Vec::new();

@@ -31,6 +31,38 @@ use crate::model::{Batch, Gpt, GptConfig, Model};
 use crate::precision::Precision;
 use tch::{Kind, Tensor};
 
+/// How tensor parallelism splits a GPT parameter over a group of `t` ranks; rank `r` holds the
+/// `r`-th of `t` equal parts of what is split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds it whole (LayerNorms, wpe, the row-parallel layers' biases).
+    Replicated,
+    /// Its rows (dimension 0): the vocab-parallel wte, column-parallel c_fc's weight and bias.
+    Rows,
+    /// Its columns (dimension 1): row-parallel `attn.c_proj` and `mlp.c_proj` weights.
+    Columns,
+    /// Its rows within each of the q, k and v thirds (a rank's heads): c_attn's weight and bias.
+    QkvRows,
+}
+
+/// How the GPT's parameter `k` (its `named_parameters` order) is split (the slicing of
+/// [`TpBlock::from_full`] and [`TpGpt::from_gpt`]).
+pub fn split_of(cfg: &GptConfig, k: usize) -> Split {
+    let last = 2 + 12 * cfg.n_layer as usize;
+    if k == 0 {
+        return Split::Rows;
+    }
+    if !(2..last).contains(&k) {
+        return Split::Replicated;
+    }
+    match (k - 2) % 12 {
+        2 | 3 => Split::QkvRows,
+        8 | 9 => Split::Rows,
+        4 | 10 => Split::Columns,
+        _ => Split::Replicated,
+    }
+}
+
 /// A GPT split over a tensor-parallel group (fp32, CPU or one device per rank).
 pub struct TpGpt {
     pub cfg: GptConfig,
@@ -187,8 +219,7 @@ impl TpGpt {
     /// Whether the GPT's parameter `i` is split over the group — its gradient's square counts
     /// from every rank in the global norm — or replicated (counted once).
     pub fn is_split(&self, i: usize) -> bool {
-        let last = 2 + 12 * self.cfg.n_layer as usize;
-        i == 0 || (2..last).contains(&i) && matches!((i - 2) % 12, 2 | 3 | 4 | 8 | 9 | 10)
+        split_of(&self.cfg, i) != Split::Replicated
     }
 
     /// Forward and backward of one batch (`x`, `y` (B, T), the same on every rank of `pg`) through

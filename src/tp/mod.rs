@@ -27,7 +27,7 @@ mod gpt;
 mod stages;
 pub(crate) use block::layer_norm;
 pub use block::TpBlock;
-pub use gpt::{TpGpt, TpStep};
+pub use gpt::{split_of, Split, TpGpt, TpStep};
 
 use crate::comm::{CommError, CommResult, ProcessGroup, ReduceOp};
 use tch::{Kind, Tensor};

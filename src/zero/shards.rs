@@ -230,6 +230,19 @@ impl ShardedTensors {
         Ok(())
     }
 
+    /// What this rank holds, one entry per unit (the optimizer's slots): its master shard, the
+    /// pieces of the parameters in it — `(parameter index, flat range within the parameter, flat
+    /// range within the shard)` — and whether it counts (and a checkpoint writes) them.
+    pub fn shard_pieces(&self, rank: usize) -> Vec<(Tensor, Vec<(usize, Range<i64>, Range<i64>)>, bool)> {
+        let units = self.units.iter();
+        units
+            .map(|u| {
+                let pieces = u.layout.shard_pieces(rank).into_iter().map(|(j, w, a)| (u.idx[j], w, a)).collect();
+                (u.shard.shallow_clone(), pieces, u.counted)
+            })
+            .collect()
+    }
+
     /// The gradient buffers kept between steps: the shards and stage 1's flat gradients.
     pub fn kept_grads(&self) -> Vec<Tensor> {
         self.units.iter().flat_map(|u| u.grad_full.iter().chain([&u.grad_shard])).map(|t| t.shallow_clone()).collect()
