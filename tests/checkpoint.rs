@@ -320,7 +320,7 @@ fn damaged_checkpoints_are_refused_with_errors_that_name_the_file() {
     // Unknown format version.
     let d = copy("version");
     let p = d.join("metadata.json");
-    let text = std::fs::read_to_string(&p).unwrap().replacen("\"format_version\": 2", "\"format_version\": 7", 1);
+    let text = std::fs::read_to_string(&p).unwrap().replacen("\"format_version\": 1", "\"format_version\": 7", 1);
     std::fs::write(&p, text).unwrap();
     let e = load_error(&d, tiny);
     assert!(e.contains("format version 7"), "{e}");
@@ -512,6 +512,7 @@ fn a_checkpoint_of_any_layout_loads_into_any_other() {
     let meta = checkpoint::read_metadata(&checkpoint::resolve(&a).unwrap()).unwrap();
     let boxes = meta.tensors.values().flat_map(|t| &t.pieces).filter(|p| p.region.is_some()).count();
     assert!(boxes > 0, "tensor-parallel slices are saved as boxes of the whole tensors");
+    assert_eq!(meta.format_version, 2, "boxes are format version 2 (whole tensors alone stay version 1)");
     // Consolidated into one file with the model's names: the saved parameters, in the GPT's order.
     let out = dir.join("3d.safetensors");
     checkpoint::consolidate(&a, &out, false).unwrap();
@@ -529,6 +530,8 @@ fn a_checkpoint_of_any_layout_loads_into_any_other() {
         ("zero2:dp2×tp2", 4, To::Mesh(2, 1, DataDim::Zero(Stage::Two))),
         ("zero1:dp2×pp2", 4, To::Mesh(1, 2, DataDim::Zero(Stage::One))),
         ("zero3:dp2×tp2×pp2", 8, To::Mesh(2, 2, DataDim::Zero(Stage::Three))),
+        ("ddp2×tp2", 4, To::Mesh(2, 1, DataDim::Replicate)),
+        ("ddp2×pp2", 4, To::Mesh(1, 2, DataDim::Replicate)),
     ] {
         let again = if name == "zero3:dp4" { zero3.clone() } else { dir.join("again") };
         let _ = std::fs::remove_dir_all(&again);
@@ -554,6 +557,35 @@ fn a_checkpoint_of_any_layout_loads_into_any_other() {
             assert!(x.equal(&y), "{name}: {t} saved again differs from the 3-D checkpoint's");
         }
     }
+    // A corrupt piece (a byte flipped in rank 3's file): every rank of the same layout refuses the
+    // load, and none has changed a weight (the values are installed only once every rank has read
+    // its part).
+    let bad = dir.join("bad");
+    let _ = std::fs::remove_dir_all(&bad);
+    std::fs::create_dir_all(bad.join("step-00000002")).unwrap();
+    let src = checkpoint::resolve(&a).unwrap();
+    for e in std::fs::read_dir(&src).unwrap().flatten() {
+        std::fs::copy(e.path(), bad.join("step-00000002").join(e.file_name())).unwrap();
+    }
+    let f = bad.join("step-00000002").join("rank-00003.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x40;
+    std::fs::write(&f, bytes).unwrap();
+    let b = bad.clone();
+    let out = spawn(8, Backend::Local, move |pg| {
+        let mut e = engine(pg, 2, 2, DataDim::Replicate, 99)?;
+        let before = e.full_parameters()?.map(|p| flat(&p));
+        let err = checkpoint::load(&mut e, &mut opt(), &b).err().map(|e| format!("{e:#}"));
+        Ok((err, before == e.full_parameters()?.map(|p| flat(&p))))
+    })
+    .unwrap();
+    for (rank, (err, unchanged)) in out.iter().enumerate() {
+        let err = err.as_deref().unwrap_or_else(|| panic!("rank {rank} loaded a corrupt checkpoint"));
+        assert!(err.contains("checksum") || err.contains("failed"), "rank {rank}: {err}");
+        assert!(*unchanged, "rank {rank}: a refused load changed the weights");
+    }
+    assert!(out.iter().any(|(e, _)| e.as_deref().is_some_and(|e| e.contains("rank-00003"))), "the file is named");
     // Whole tensors (ZeRO-3's flat shards of them) back into boxes.
     let (loaded, ..) = load_into(4, To::Mesh(2, 2, DataDim::Zero(Stage::Two)), &zero3, None);
     assert!(loaded.as_ref() == Some(&at_save), "zero3's checkpoint into zero2 × tp 2 × pp 2");

@@ -20,7 +20,7 @@ pub trait Holder {
     /// The model's tensors: names and whole shapes.
     fn tensors(&self) -> Vec<(String, Vec<i64>)>;
     /// What this rank holds, one slot per optimizer slot (AdamW's state comes in this order).
-    fn held_slots(&self) -> Vec<HeldSlot>;
+    fn held_slots(&self) -> anyhow::Result<Vec<HeldSlot>>;
     /// After a load overwrote the slots' masters: bring what derives from them up to date (a
     /// collective for sharded holders).
     fn loaded(&mut self) -> CommResult<()>;
@@ -65,9 +65,10 @@ impl<T: crate::ddp::DataParallel + ?Sized> Holder for T {
         let names = self.model().named_parameters().into_iter().map(|(n, _)| n);
         names.zip(self.param_shapes()).collect()
     }
-    fn held_slots(&self) -> Vec<HeldSlot> {
+    fn held_slots(&self) -> anyhow::Result<Vec<HeldSlot>> {
         let shapes = self.param_shapes();
-        self.slots()
+        Ok(self
+            .slots()
             .into_iter()
             .map(|s| HeldSlot {
                 pieces: s
@@ -84,7 +85,7 @@ impl<T: crate::ddp::DataParallel + ?Sized> Holder for T {
                 replicated: s.replicated,
                 writes: true,
             })
-            .collect()
+            .collect())
     }
     fn loaded(&mut self) -> CommResult<()> {
         self.masters_loaded()

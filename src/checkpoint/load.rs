@@ -46,9 +46,15 @@ pub fn load<H: Holder + ?Sized>(h: &mut H, opt: &mut AdamW, path: &Path) -> anyh
         }
         ensure!(problems.is_empty(), "{} does not fit this model:\n  {}", dir.display(), problems.join("\n  "));
         let has_state = !meta.optimizer_steps.is_empty();
-        let slots = h.held_slots();
+        let slots = h.held_slots()?;
+        for (s, slot) in slots.iter().enumerate() {
+            super::check_slot(s, slot, &tensors)?;
+        }
         let mut readers: BTreeMap<String, files::Reader> = BTreeMap::new();
         let (mut m, mut v, mut steps) = (Vec::new(), Vec::new(), Vec::new());
+        // The parameters' values are read into host buffers and copied in only once every rank
+        // has read its part (a failed load changes nothing); the moments are new tensors.
+        let mut pending: Vec<(Tensor, i64, Vec<f32>)> = Vec::new();
         for slot in &slots {
             let mut kinds = vec![("param", slot.master.detach())];
             if has_state {
@@ -112,26 +118,36 @@ pub fn load<H: Holder + ?Sized>(h: &mut H, opt: &mut AdamW, path: &Path) -> anyh
                             }
                         }
                     }
-                    tch::no_grad(|| dst.narrow(0, lo, hi - lo).copy_(&Tensor::from_slice(&buf)));
+                    if kind == "param" {
+                        pending.push((dst.shallow_clone(), lo, buf));
+                    } else {
+                        tch::no_grad(|| dst.narrow(0, lo, hi - lo).copy_(&Tensor::from_slice(&buf)));
+                    }
                 }
             }
         }
-        // No optimizer state saved (before the first step): start the optimizer afresh too.
-        opt.load_state(AdamWState { steps, m, v }).map_err(anyhow::Error::msg)?;
-        Ok(readers.values().map(|r| r.bytes_read).sum::<u64>())
+        Ok((readers.values().map(|r| r.bytes_read).sum::<u64>(), pending, AdamWState { steps, m, v }))
     })?;
-    // Every rank found its own metadata: make sure the replicas gather the same tensors (else a hang).
+    let (bytes, pending, state) = bytes;
+    // Every rank read its part: install it.
+    for (dst, lo, buf) in pending {
+        tch::no_grad(|| dst.narrow(0, lo, buf.len() as i64).copy_(&Tensor::from_slice(&buf)));
+    }
+    // Every rank found its own metadata: make sure the replicas gather the same tensors (else a
+    // hang), compared within each group of replicas and the outcome agreed over the whole mesh.
     let total: i64 = gathers.iter().map(|t| t.numel() as i64).sum();
-    let pg = h.replicas();
-    let n = rep_n;
-    ensure!(
-        same_everywhere(&[pg], &[gathers.len() as f64, total as f64])?.is_none(),
-        "rank {rank}: the ranks planned different all-gathers for {} (one found optimizer state, another did not?)",
-        dir.display()
-    );
+    let differ = same_everywhere(&[h.replicas()], &[gathers.len() as f64, total as f64]).map(|d| d.is_some());
+    agree(&groups, rank, "planning the replicas' all-gathers", || match differ {
+        Ok(false) => Ok(()),
+        Ok(true) => anyhow::bail!(
+            "the replicas planned different all-gathers for {} (one found optimizer state, another did not?)",
+            dir.display()
+        ),
+        Err(e) => Err(e.into()),
+    })?;
     // The all-gathers, one per tensor, in slot order on every rank (batching them into 64 MiB
     // buckets measured slower on 2 cores). Parts are padded to one length.
-    let rank = rep_rank;
+    let (pg, n, rank) = (h.replicas(), rep_n, rep_rank);
     for dst in &gathers {
         let numel = dst.numel() as i64;
         let chunk = (numel + n as i64 - 1) / n as i64;
@@ -147,5 +163,7 @@ pub fn load<H: Holder + ?Sized>(h: &mut H, opt: &mut AdamW, path: &Path) -> anyh
         }
     }
     h.loaded()?;
+    // No optimizer state saved (before the first step): the optimizer starts afresh too.
+    opt.load_state(state).map_err(anyhow::Error::msg)?;
     Ok(Report { path: dir, step: meta.step, bytes, seconds: t0.elapsed().as_secs_f64(), extra: meta.extra })
 }

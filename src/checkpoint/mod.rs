@@ -50,6 +50,7 @@ pub use consolidate::{consolidate, read_tensor, Consolidated};
 pub use holder::{HeldPiece, HeldSlot, Holder};
 pub use load::load;
 pub use save::save;
+use std::ops::Range;
 
 use crate::comm::{CommResult, ProcessGroup, ReduceOp};
 use anyhow::{bail, ensure, Context};
@@ -185,9 +186,41 @@ fn agree<T>(
 fn same_everywhere(groups: &[&ProcessGroup], values: &[f64]) -> CommResult<Option<(Vec<f64>, Vec<f64>)>> {
     let mut t = Tensor::from_slice(&values.iter().flat_map(|&v| [v, -v]).collect::<Vec<f64>>());
     groups.iter().try_for_each(|g| g.all_reduce(&mut t, ReduceOp::Max))?;
-    let v: Vec<f64> = Vec::<f64>::try_from(&t).unwrap_or_default();
+    let v: Vec<f64> = Vec::<f64>::try_from(&t)
+        .map_err(|e| crate::comm::CommError::Protocol(format!("reading back an agreement: {e}")))?;
     let (hi, lo): (Vec<f64>, Vec<f64>) = v.chunks(2).map(|c| (c[0], -c[1])).unzip();
     Ok((hi != lo).then_some((hi, lo)))
+}
+
+/// A holder's slot against itself: its pieces inside its master and each other, each one's range
+/// inside its box, the box inside its tensor — a holder that mislabels what it holds is an error,
+/// not a checkpoint with holes or a load that leaves values untouched.
+fn check_slot(s: usize, slot: &HeldSlot, tensors: &[(String, Vec<i64>)]) -> anyhow::Result<()> {
+    let numel = slot.master.numel() as i64;
+    let mut at: Vec<Range<i64>> = Vec::new();
+    for p in &slot.pieces {
+        let (name, shape) =
+            tensors.get(p.tensor).with_context(|| format!("slot {s}: tensor {} of {}", p.tensor, tensors.len()))?;
+        p.region.check(shape).map_err(|e| anyhow::anyhow!("slot {s}: {name}: {e}"))?;
+        ensure!(
+            0 <= p.within.start
+                && p.within.start <= p.within.end
+                && p.within.end <= p.region.numel()
+                && p.at.end - p.at.start == p.within.end - p.within.start
+                && 0 <= p.at.start
+                && p.at.end <= numel,
+            "slot {s}: {name}: elements {:?} of its box ({}) at {:?} of the slot ({numel})",
+            p.within,
+            p.region.numel(),
+            p.at
+        );
+        at.push(p.at.clone());
+    }
+    at.sort_by_key(|r| r.start);
+    if let Some(w) = at.windows(2).find(|w| w[0].end > w[1].start) {
+        bail!("slot {s}: two pieces hold its elements {}..{}", w[1].start, w[0].end.min(w[1].end));
+    }
+    Ok(())
 }
 
 /// The reader of rank file `file` of checkpoint `dir`, opened on first use (its size checked

@@ -16,6 +16,8 @@ use tch::Tensor;
 /// collective: every rank calls it). `extra`: the job's state, stored in the metadata. Returns
 /// what this rank wrote. On any rank's failure every rank returns an error and the previous
 /// checkpoints are untouched. CUDA tensors are staged through host memory, one piece at a time.
+/// Of copies of a value (replicas) one rank's is written: they are assumed equal, as the
+/// engine's step keeps them (bitwise: `Engine::full_parameters` checks).
 pub fn save<H: Holder + ?Sized>(
     h: &H,
     opt: &AdamW,
@@ -50,23 +52,31 @@ pub fn save<H: Holder + ?Sized>(
         let tensors_of_model = h.tensors();
         let state: AdamWState = opt.state_views(); // no copy: written from the moments themselves
         let has_state = !state.m.is_empty();
-        let slots = h.held_slots();
+        let slots = h.held_slots()?;
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         let mut pieces: Vec<(String, Vec<i64>, PieceMeta)> = Vec::new();
         let mut optimizer_steps = BTreeMap::new();
         let file = format!("rank-{rank:05}.safetensors");
-        // Host copies of device tensors (CUDA), made once per slot and kind.
-        let host = |t: Tensor| if t.device() == tch::Device::Cpu { t } else { t.to_device(tch::Device::Cpu) };
         for (s, slot) in slots.iter().enumerate() {
             let master = slot.master.detach();
             ensure!(master.is_contiguous(), "slot {s}: its master tensor is not contiguous");
+            super::check_slot(s, slot, &tensors_of_model)?;
             if has_state {
-                ensure!(s < state.m.len(), "the optimizer has {} slots, the holder {}", state.m.len(), slots.len());
+                ensure!(
+                    slots.len() == state.m.len() && state.m[s].numel() == master.numel(),
+                    "the optimizer's state does not fit what this rank holds ({} slots, the holder {}; slot {s}: {} \
+                     values, its moments {})",
+                    state.m.len(),
+                    slots.len(),
+                    master.numel(),
+                    state.m[s].numel()
+                );
             }
             if !slot.writes {
                 continue;
             }
-            let flat = |t: &Tensor| host(t.view([-1]));
+            // Views: a CUDA piece is staged through host memory by the file writer, one at a time.
+            let flat = |t: &Tensor| t.view([-1]);
             let mut kinds = vec![("param", flat(&master))];
             if has_state {
                 kinds.push(("exp_avg", flat(&state.m[s])));
@@ -129,7 +139,7 @@ pub fn save<H: Holder + ?Sized>(
             return Ok(());
         }
         let mut meta = Metadata {
-            format_version: FORMAT_VERSION,
+            format_version: 1, // 2 once a piece is a box (below): older readers still read the rest
             step,
             world_size: n,
             tensors: BTreeMap::new(),
@@ -152,6 +162,9 @@ pub fn save<H: Holder + ?Sized>(
             }
         }
         // Every tensor covered exactly once (a tensor no rank wrote is a hole too).
+        if meta.tensors.values().any(|t| t.pieces.iter().any(|p| p.region.is_some())) {
+            meta.format_version = FORMAT_VERSION;
+        }
         let kinds: &[&str] =
             if meta.optimizer_steps.is_empty() { &["param"] } else { &["param", "exp_avg", "exp_avg_sq"] };
         for (t, _) in h.tensors() {

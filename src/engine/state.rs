@@ -66,11 +66,24 @@ impl Holder for Engine {
     }
     /// DDP: a slot per parameter of the piece, replicated over dp, written by the rank that counts
     /// it. ZeRO: a slot per unit (its master shard), written by the ranks that count the unit.
-    fn held_slots(&self) -> Vec<HeldSlot> {
+    fn held_slots(&self) -> anyhow::Result<Vec<HeldSlot>> {
         let tp = self.mesh.group("tp");
         let idx = self.piece.indices();
         let boxes: Vec<Vec<Region>> = idx.iter().map(|&k| tp_boxes(&self.cfg, k, tp.world_size(), tp.rank())).collect();
-        match &self.shards {
+        // The boxes must be the piece's parameters, element for element.
+        let shapes = self.cfg.param_shapes();
+        for (j, &k) in idx.iter().enumerate() {
+            let n: i64 = boxes[j].iter().map(|b| b.numel()).sum();
+            let whole: i64 = shapes[k].1.iter().product();
+            let held = self.shards.is_some() || self.piece.params()[j].numel() as i64 == n;
+            anyhow::ensure!(
+                held && (n * tp.world_size() as i64 == whole || n == whole),
+                "{}: tensor rank {}'s boxes hold {n} of its {whole} elements",
+                shapes[k].0,
+                tp.rank()
+            );
+        }
+        Ok(match &self.shards {
             None => {
                 let counted = self.piece.counted(&self.mesh);
                 let params = self.piece.params();
@@ -98,7 +111,7 @@ impl Holder for Engine {
                     writes: counted,
                 })
                 .collect(),
-        }
+        })
     }
     /// ZeRO-1/2: the loaded master shards all-gathered into the piece's parameters.
     fn loaded(&mut self) -> CommResult<()> {

@@ -27,6 +27,11 @@ impl GptJob {
             )
         })?;
         anyhow::ensure!(self.checkpoint.every > 0, "an elastic run needs checkpoints during training (--save-every)");
+        anyhow::ensure!(
+            !elastic.shrink_on_failure || (scaling.tensor_parallel == 1 && scaling.pipeline.stages == 1),
+            "shrinking on failure with tensor or pipeline parallelism is not built yet (the shrunk world must still \
+             divide into tp × pp ranks); restarts at the same size are (max_restarts)"
+        );
         if crate::launch::is_spawned_child() {
             // A worker of generation g: the supervisor put g's job and scaling in the environment
             // (whatever elastic run this process reached first, it runs its driver's current one).

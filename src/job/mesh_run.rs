@@ -22,7 +22,8 @@
 //! What is not combined with tensor or pipeline parallelism yet — mixed precision, offload, GPUs,
 //! and `every:K` activation checkpointing
 //! with `--pp` but no `--tp` ([`parallelize`]) — is refused with the reason on every rank before
-//! any computes; elastic restarts with `--tp` or `--pp` are refused by `train` itself.
+//! any computes. Elastic restarts work at the same size; shrinking on failure is refused
+//! ([`GptJob::fit_elastic`]).
 
 use super::{GptJob, PipelineStats, RunSummary};
 use crate::data::DistributedSampler;
