@@ -8,7 +8,7 @@ use std::ops::Range;
 use tch::Tensor;
 
 /// What one rank holds of a model and its optimizer state, and where it sits in the whole model:
-/// what [`save`](fn@save) writes and [`load`](fn@load) fills (see the module docs).
+/// what [`save`](fn@super::save) writes and [`load`](fn@super::load) fills (see the module docs).
 pub trait Holder {
     /// Groups that together span every rank (the world; an engine's mesh dimensions): the ranks
     /// agree by all-reducing over each in turn.

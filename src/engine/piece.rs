@@ -84,7 +84,7 @@ impl Piece for TpGpt {
 }
 
 /// A pipeline rank's stages of the GPT: the model with only this rank's parameters materialised
-/// ([`Gpt::new_only`]), run by [`pipeline_step`] in `cfg`'s schedule.
+/// ([`Gpt::new_only`]), run by [`pipeline_step_with`] in `cfg`'s schedule.
 pub struct PipelinePiece {
     pub gpt: Gpt,
     pub cfg: PipelineConfig,
