@@ -47,6 +47,7 @@ pub use tp_pipeline::{TpPipelinePiece, TpStages};
 
 use crate::comm::{CommResult, DeviceMesh, ProcessGroup};
 use crate::pipeline::PipelineConfig;
+use crate::precision::Precision;
 use crate::stages::Checkpointing;
 use crate::zero::Stage;
 
@@ -116,14 +117,25 @@ pub struct Plan {
     /// `Full` recomputes each rank's stages per micro-batch
     /// ([`pipeline_step_with`](crate::pipeline::pipeline_step_with)) and `every:K` is refused.
     pub activation_checkpointing: Checkpointing,
+    /// The matrix multiplies' precision: fp32, or bf16 as `torch.autocast` computes (fp32
+    /// parameters, gradients, optimizer state and residual stream; each linear's inputs cast at
+    /// the use). fp16 is refused: it needs a loss scaler.
+    pub precision: Precision,
 }
 
 impl Plan {
     /// `dims` with `data` on the data dimension; no sequence parallelism, the default pipeline
-    /// schedule, no activation checkpointing.
+    /// schedule, no activation checkpointing, fp32.
     pub fn new(dims: ParallelDims, data: DataDim) -> Plan {
         let pipeline = PipelineConfig { stages: dims.pp, ..PipelineConfig::default() };
-        Plan { dims, data, sequence_parallel: false, pipeline, activation_checkpointing: Checkpointing::None }
+        Plan {
+            dims,
+            data,
+            sequence_parallel: false,
+            pipeline,
+            activation_checkpointing: Checkpointing::None,
+            precision: Precision::Fp32,
+        }
     }
 }
 

@@ -7,6 +7,7 @@ use crate::comm::{CommError, CommResult, DeviceMesh, ProcessGroup, ReduceOp};
 use crate::memory::{held_bytes, MemoryStats};
 use crate::model::{Batch, Gpt, GptConfig};
 use crate::optim::{optimizer_step, Decay, Held, NonFinite, Optimizer};
+use crate::precision::Precision;
 use crate::stages::Checkpointing;
 use crate::tp::TpGpt;
 use crate::zero::ShardedTensors;
@@ -68,7 +69,13 @@ pub fn parallelize(
     cfg: &GptConfig,
     build: &dyn Fn(&dyn Fn(usize) -> bool) -> anyhow::Result<Gpt>,
 ) -> anyhow::Result<Engine> {
-    let Plan { dims, data, sequence_parallel, pipeline, activation_checkpointing: ac } = *plan;
+    let Plan { dims, data, sequence_parallel, pipeline, activation_checkpointing: ac, precision } = *plan;
+    anyhow::ensure!(
+        matches!(precision, Precision::Fp32 | Precision::Bf16),
+        "the engine computes in fp32 or bf16 (autocast), not {precision:?}: fp16 needs a loss scaler (use bf16)"
+    );
+    // Every rank builds its GPT from the same seed, in the plan's precision.
+    let build = |keep: &dyn Fn(usize) -> bool| build(keep).map(|g| g.with_precision(precision));
     anyhow::ensure!(
         dims.world() == pg.world_size(),
         "the layout {dims:?} has {} ranks, the group {}",

@@ -19,7 +19,10 @@
 //! [`Holder`](crate::checkpoint::Holder)), so a run resumes at any layout from a checkpoint of any
 //! other — or of the data-parallel strategies, and they from one of these.
 //!
-//! What is not combined with tensor or pipeline parallelism yet — mixed precision, offload, GPUs,
+//! `--precision bf16` computes the matrix multiplies in bf16 as `torch.autocast` does (fp32
+//! parameters, gradients and optimizer state); fp16 is refused (it needs a loss scaler).
+//!
+//! What is not combined with tensor or pipeline parallelism yet — fp16, offload, GPUs,
 //! and `every:K` activation checkpointing
 //! with `--pp` but no `--tp` ([`parallelize`]) — is refused with the reason on every rank before
 //! any computes. Elastic restarts work at the same size; shrinking on failure is refused
@@ -76,7 +79,10 @@ fn unsupported(job: &GptJob, ctx: &TrainContext, dims: &ParallelDims) -> Option<
         _ if s.strategy == Strategy::Single && dims.dp > 1 => {
             Some(format!("--strategy single runs one replica, but the layout has {} (use ddp or zero1/2/3)", dims.dp))
         }
-        _ if s.precision != crate::precision::Precision::Fp32 => no("mixed precision"),
+        _ if s.precision == crate::precision::Precision::Fp16 => Some(format!(
+            "{which} computes in fp32 or bf16: fp16 needs a loss scaler, which the engine does not run (use --precision bf16)"
+        )),
+        _ if s.reduce_dtype != crate::precision::Precision::Fp32 => no("--reduce-dtype (gradients are reduced in fp32)"),
         _ if s.offload => no("offload"),
         _ if s.device != crate::device::DeviceChoice::Cpu || s.use_gpu => no("GPUs"),
         _ => None,
@@ -108,6 +114,7 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
         sequence_parallel: s.sequence_parallel,
         pipeline: s.pipeline,
         activation_checkpointing: s.activation_checkpointing,
+        precision: s.precision,
     };
     let build = |keep: &dyn Fn(usize) -> bool| -> anyhow::Result<Gpt> {
         if job.init.is_some() {
@@ -215,7 +222,7 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
         memory: engine.memory(&opt),
         bytes_sent_per_step: sent_per_step,
         peak_rss_bytes: crate::bench::peak_rss_bytes(),
-        precision: crate::precision::Precision::Fp32,
+        precision: s.precision,
         pipeline: (dims.pp > 1).then(|| PipelineStats { bubble: crate::bench::median(&mut bubbles), peak_in_flight }),
         checkpoint_save_s: save_s,
         checkpoint_bytes_written: save_bytes,

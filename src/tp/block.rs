@@ -32,6 +32,8 @@ pub struct TpBlock {
     /// reduce-scattered, the full (B, T, C) size of each).
     pub bytes_all_reduced: u64,
     sequence_parallel: bool,
+    /// The matrix multiplies' kind (bf16 autocast; fp32 by default): [`with_compute`](Self::with_compute).
+    compute: Kind,
     /// Activation checkpointing: forward keeps only each micro-batch's input (`inputs`) and runs
     /// again, with its graph and its collectives, before the backward.
     recompute: bool,
@@ -54,10 +56,27 @@ struct BlockSaved {
 
 /// The backward of `y = x·wᵀ + b` by hand, for `dy` (…, O), `x` (…, I), `w` (O, I): (dL/dw,
 /// dL/db, dL/dx).
+/// Under bf16 autocast `dy` is bf16: the products are computed in its kind (`x` and `w` cast, as
+/// the forward cast them) and the results returned in fp32, like the casts' backward.
 fn linear_backward(dy: &Tensor, x: &Tensor, w: &Tensor) -> (Tensor, Tensor, Tensor) {
     let (o, i) = (w.size()[0], w.size()[1]);
+    let k = dy.kind();
     let dy2 = dy.reshape([-1, o]);
-    (dy2.tr().mm(&x.reshape([-1, i])), dy2.sum_dim_intlist([0i64].as_slice(), false, dy.kind()), dy.matmul(w))
+    let f = |t: Tensor| t.to_kind(Kind::Float);
+    (
+        f(dy2.tr().mm(&x.reshape([-1, i]).to_kind(k))),
+        f(dy2.sum_dim_intlist([0i64].as_slice(), false, dy.kind())),
+        f(dy.matmul(&w.to_kind(k))),
+    )
+}
+
+/// `x · wᵀ (+ b)` in `kind`, as `torch.autocast` runs a linear: `x`, `w` and `b` cast at the use
+/// (the casts on autograd's tape, so fp32 parameters get fp32 gradients); fp32: as it is.
+pub(crate) fn linear_in(kind: Kind, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    if kind == Kind::Float {
+        return x.linear(w, b);
+    }
+    x.to_kind(kind).linear(&w.to_kind(kind), b.map(|b| b.to_kind(kind)).as_ref())
 }
 
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
@@ -109,9 +128,20 @@ impl TpBlock {
             saved: Default::default(),
             bytes_all_reduced: 0,
             sequence_parallel: false,
+            compute: Kind::Float,
             recompute: false,
             inputs: Default::default(),
         })
+    }
+
+    /// Compute the four linear layers and attention in `kind` (bf16: `torch.autocast`'s rule, as
+    /// the one-process GPT's `with_precision`): inputs and weights cast at each use, the
+    /// parameters, their gradients, LayerNorms and the residual stream stay fp32. The partial
+    /// outputs of the row-parallel layers are summed in fp32 (the all-reduces carry fp32: twice
+    /// the bytes of Megatron's bf16 all-reduce, one rounding fewer).
+    pub fn with_compute(mut self, kind: Kind) -> Self {
+        self.compute = kind;
+        self
     }
 
     /// Sequence parallelism on or off: `forward` then takes and returns this rank's T/t tokens
@@ -200,15 +230,15 @@ impl TpBlock {
         // sequence parallelism f all-gathers along T, and the gathered input is not kept: c_attn
         // runs outside autograd from it, the graph starts at its output (a leaf), and backward
         // all-gathers h1 again for c_attn's weight gradient (Megatron's way).
-        let sp = self.sequence_parallel;
+        let (sp, k) = (self.sequence_parallel, self.compute);
         let h1_full = self.to_full(pg, &h1)?;
         let p = &self.params;
         let (h1_leaf, qkv) = if sp {
-            let qkv = tch::no_grad(|| h1_full.linear(&p[2], Some(&p[3]))).set_requires_grad(true);
+            let qkv = tch::no_grad(|| linear_in(k, &h1_full, &p[2], Some(&p[3]))).set_requires_grad(true);
             (qkv.shallow_clone(), qkv)
         } else {
             let h1_leaf = h1_full.set_requires_grad(true);
-            let qkv = h1_leaf.linear(&p[2], Some(&p[3]));
+            let qkv = linear_in(k, &h1_leaf, &p[2], Some(&p[3]));
             (h1_leaf, qkv)
         }; // qkv: (B, T, 3C/t)
         let split = |i: i64| qkv.narrow(2, i * cl, cl).view([b, t, heads, hs]).transpose(1, 2);
@@ -222,7 +252,8 @@ impl TpBlock {
             None,
             false,
         );
-        let partial_a = y.transpose(1, 2).contiguous().view([b, t, cl]).linear::<Tensor>(&p[4], None); // (B, T, C)
+        let y = y.transpose(1, 2).contiguous().view([b, t, cl]);
+        let partial_a = linear_in(k, &y, &p[4], None).to_kind(Kind::Float); // (B, T, C)
         let p5 = p[5].detach();
         // g: all-reduce forward (sequence parallel: reduce-scatter along T).
         let a = self.sum_partials(pg, &partial_a)? + p5;
@@ -234,14 +265,14 @@ impl TpBlock {
         let p = &self.params;
         // The same for c_fc: with sequence parallelism the graph starts at its output.
         let (h2_leaf, fc) = if sp {
-            let fc = tch::no_grad(|| h2_full.linear(&p[8], Some(&p[9]))).set_requires_grad(true);
+            let fc = tch::no_grad(|| linear_in(k, &h2_full, &p[8], Some(&p[9]))).set_requires_grad(true);
             (fc.shallow_clone(), fc)
         } else {
             let h2_leaf = h2_full.set_requires_grad(true);
-            let fc = h2_leaf.linear(&p[8], Some(&p[9]));
+            let fc = linear_in(k, &h2_leaf, &p[8], Some(&p[9]));
             (h2_leaf, fc)
         }; // fc: (B, T, 4C/t)
-        let partial_m = fc.gelu("none").linear::<Tensor>(&p[10], None);
+        let partial_m = linear_in(k, &fc.gelu("none"), &p[10], None).to_kind(Kind::Float);
         let p11 = p[11].detach();
         let m = self.sum_partials(pg, &partial_m)? + p11;
         let out = x1 + m;

@@ -75,6 +75,9 @@ pub struct TpGpt {
     pub ln_f: [Tensor; 2],
     /// Sequence parallelism (see [`with_sequence_parallel`](Self::with_sequence_parallel)).
     pub(super) sequence_parallel: bool,
+    /// The matrix multiplies' kind: fp32, or bf16 when the GPT it was cut from computes in bf16
+    /// (autocast: [`TpBlock::with_compute`]; the logits too, upcast for the loss).
+    pub(super) compute: Kind,
     /// The GPT stages this rank runs (0: embeddings, 1..=L: blocks, L + 1: head): all of them,
     /// or a pipeline rank's ([`from_gpt_stages`](Self::from_gpt_stages)). The tensors of the
     /// others are empty and `blocks` holds only the blocks in range.
@@ -95,7 +98,7 @@ pub struct TpStep {
 
 impl TpGpt {
     /// This rank's part of `gpt` over the tensor-parallel group `pg`. The vocabulary and the head
-    /// count must divide by the group's size; fp32 only.
+    /// count must divide by the group's size; the GPT computes in fp32 or bf16 (autocast).
     pub fn from_gpt(gpt: &Gpt, pg: &ProcessGroup) -> Result<TpGpt, String> {
         Self::from_gpt_stages(gpt, pg, 0..gpt.cfg.n_layer as usize + 2)
     }
@@ -119,9 +122,16 @@ impl TpGpt {
         if cfg.n_head % t as i64 != 0 {
             return Err(format!("{} heads do not split over {t} tensor-parallel ranks", cfg.n_head));
         }
-        if gpt.precision() != Precision::Fp32 {
-            return Err(format!("tensor parallelism here computes in fp32, not {:?}", gpt.precision()));
-        }
+        let compute = match gpt.precision() {
+            Precision::Fp32 => Kind::Float,
+            Precision::Bf16 => Kind::BFloat16,
+            p => {
+                return Err(format!(
+                    "tensor parallelism computes in fp32 or bf16 (autocast), not {p:?} (fp16 needs a loss scaler \
+                     the engine does not run: use bf16)"
+                ))
+            }
+        };
         let p: Vec<Tensor> = gpt.parameters().iter().map(|p| p.detach()).collect();
         // The stages' parameters must be there (a pipeline rank's GPT holds only its own).
         let shapes = cfg.param_shapes();
@@ -142,7 +152,7 @@ impl TpGpt {
         let (embeds, head) = (stages.contains(&0), stages.contains(&(l + 1)));
         let blocks = (0..l)
             .filter(|b| stages.contains(&(b + 1)))
-            .map(|b| TpBlock::from_full(&p[2 + 12 * b..14 + 12 * b], cfg.n_head, pg))
+            .map(|b| TpBlock::from_full(&p[2 + 12 * b..14 + 12 * b], cfg.n_head, pg).map(|b| b.with_compute(compute)))
             .collect::<Result<Vec<_>, _>>()?;
         let n = p.len();
         Ok(TpGpt {
@@ -153,6 +163,7 @@ impl TpGpt {
             blocks,
             ln_f: if head { [rep(&p[n - 2]), rep(&p[n - 1])] } else { [none(), none()] },
             sequence_parallel: false,
+            compute,
             stages,
             emb_saved: Default::default(),
             head_saved: Default::default(),

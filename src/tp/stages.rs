@@ -153,8 +153,10 @@ impl TpGpt {
         let h = layer_norm(&x_l, &self.ln_f[0], &self.ln_f[1]);
         let h_leaf = if self.sequence_parallel { gather_dim(pg, &h.detach(), 1)? } else { h.detach() };
         let h_leaf = h_leaf.set_requires_grad(true);
-        let logits = h_leaf.linear::<Tensor>(&self.wte, None).view([-1, vl]); // (B·T, V/t)
-        let (loss, dlogits) = vocab_parallel_cross_entropy(pg, &logits.detach(), &batch.y.view([-1]))?;
+        // (B·T, V/t), in the compute kind (bf16 autocast: upcast for the loss, as the GPT's head).
+        let logits = super::block::linear_in(self.compute, &h_leaf, &self.wte, None).view([-1, vl]);
+        let (loss, dlogits) =
+            vocab_parallel_cross_entropy(pg, &logits.detach().to_kind(Kind::Float), &batch.y.view([-1]))?;
         self.head_saved.insert(mb, HeadSaved { x_l, h, h_leaf, logits, dlogits });
         Ok(Tensor::from(loss))
     }
