@@ -646,3 +646,73 @@ fn a_three_d_job_resumes_at_its_layout_and_at_another() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Where a restart resumes, at every instant, and one job per folder: the newest commit wins by
+/// its sequence number — also when `latest` still names the one before (rank 0 died between
+/// the commit and replacing it) and when a run resumed from an earlier step saves a lower step
+/// than another timeline's; saving a step again swaps the committed copy out atomically (the new
+/// values load, nothing is left behind); a second job (another process holding the folder's
+/// lock) is refused, naming it, and the folder is free again once that process is gone.
+#[test]
+fn the_newest_commit_is_resumed_and_a_second_job_is_refused() {
+    let dir = tmpdir("seq");
+    let save_at = |step: u64, seed: u64| {
+        let d = dir.clone();
+        spawn(2, Backend::Local, move |pg| {
+            let dp = wrap(pg, S::Ddp, seed, Precision::Fp32)?;
+            checkpoint::save(&*dp, &opt(), &d, step, json!({}), &SaveOptions::default()).map(|_| ())
+        })
+        .map(|_| ())
+    };
+    let seq = |step: u64| checkpoint::read_metadata(&dir.join(checkpoint::step_dir_name(step))).unwrap().seq;
+    save_at(3, 1).unwrap();
+    save_at(6, 1).unwrap();
+    assert_eq!((seq(3), seq(6)), (1, 2), "one more than any commit before");
+    std::fs::write(dir.join("latest"), "step-00000003").unwrap(); // as if rank 0 died before replacing it
+    assert_eq!(checkpoint::resolve(&dir).unwrap(), dir.join("step-00000006"), "the newest commit, not latest");
+    save_at(4, 1).unwrap(); // a run resumed from step 3 saves step 4; step 6 is another timeline's
+    assert_eq!(checkpoint::resolve(&dir).unwrap(), dir.join("step-00000004"));
+    // Step 4 again, from other weights: swapped in, the old copy gone.
+    save_at(4, 2).unwrap();
+    assert_eq!(seq(4), 4);
+    let w = checkpoint::read_tensor(&dir, "param/transformer.wte.weight").unwrap();
+    let want = Gpt::new(GptConfig::tiny(), 2).unwrap().parameters()[0].detach();
+    assert!(w.equal(&want), "the second save of step 4 is the one that loads");
+    let names: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    assert!(!names.iter().any(|n| n.ends_with(".tmp") || n.ends_with(".deleting")), "{names:?}");
+    // Another job holds the folder: refused on every rank, naming it; free once it is gone.
+    let other = tmpdir("seq-other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join(".lock"), "pid 4242 on elsewhere, since 0 (Unix time)").unwrap();
+    let mut holder = std::process::Command::new("flock")
+        .arg("-o")
+        .arg(other.join(".lock"))
+        .args(["sleep", "30"])
+        .spawn()
+        .expect("flock(1)");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let o = other.clone();
+    let errs = spawn(2, Backend::Local, move |pg| {
+        let dp = wrap(pg, S::Ddp, 1, Precision::Fp32)?;
+        Ok(checkpoint::save(&*dp, &opt(), &o, 1, json!({}), &SaveOptions::default()).err().map(|e| format!("{e:#}")))
+    })
+    .unwrap();
+    for (rank, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or_else(|| panic!("rank {rank} saved into a folder another job holds"));
+        assert!(e.contains("in use by another job") || e.contains("rank 0 failed"), "rank {rank}: {e}");
+    }
+    assert!(errs[0].as_deref().unwrap().contains("pid 4242 on elsewhere"), "{:?}", errs[0]);
+    assert!(checkpoint::committed(&other).is_empty());
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    let o = other.clone();
+    spawn(2, Backend::Local, move |pg| {
+        let dp = wrap(pg, S::Ddp, 1, Precision::Fp32)?;
+        checkpoint::save(&*dp, &opt(), &o, 1, json!({}), &SaveOptions::default()).map(|_| ())
+    })
+    .unwrap();
+    assert_eq!(checkpoint::committed(&other).len(), 1, "the folder is free once its holder is gone");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&other);
+}

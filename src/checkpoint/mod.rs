@@ -42,13 +42,18 @@ pub mod plan;
 pub mod sim;
 
 mod consolidate;
+mod folder;
 mod holder;
 mod load;
+mod lock;
 mod save;
 
 pub use consolidate::{consolidate, read_tensor, Consolidated};
+pub use folder::{committed, resolve, try_committed};
+use folder::{exchange, fsync_dir, remove_checkpoint, seq_of, write_synced};
 pub use holder::{HeldPiece, HeldSlot, Holder};
 pub use load::load;
+pub use lock::lock_folder;
 pub use save::save;
 use std::ops::Range;
 
@@ -80,6 +85,12 @@ pub struct Metadata {
     pub optimizer_steps: BTreeMap<String, u64>,
     /// The job's own state (configuration, LR schedule, loss scaler, data position, …).
     pub extra: serde_json::Value,
+    /// The commit's sequence number in its folder: one more than any committed before it, so the
+    /// newest commit is the highest whatever its step (a run resumed from an earlier step saves
+    /// lower steps again) and whether or not `latest` was replaced after it. 0: written before
+    /// sequence numbers.
+    #[serde(default)]
+    pub seq: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -240,83 +251,6 @@ fn open_reader<'a>(
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
-}
-
-/// Remove a checkpoint folder so that a crash midway never leaves something that looks committed:
-/// rename it out of the `step-N` namespace first, then delete.
-fn remove_checkpoint(path: &Path) -> anyhow::Result<()> {
-    let doomed = path.with_file_name(format!("{}.deleting", path.file_name().unwrap_or_default().to_string_lossy()));
-    std::fs::rename(path, &doomed).with_context(|| format!("renaming {} for removal", path.display()))?;
-    if let Some(parent) = path.parent() {
-        fsync_dir(parent)?;
-    }
-    std::fs::remove_dir_all(&doomed).with_context(|| format!("removing {}", doomed.display()))
-}
-
-fn fsync_dir(dir: &Path) -> anyhow::Result<()> {
-    std::fs::File::open(dir).and_then(|f| f.sync_all()).with_context(|| format!("fsync {}", dir.display()))
-}
-
-fn write_synced(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    f.write_all(bytes).with_context(|| format!("writing {}", path.display()))?;
-    f.sync_all().with_context(|| format!("fsync {}", path.display()))
-}
-
-/// Committed checkpoints in `dir`, oldest first: folders `step-N` with a `metadata.json` (none if
-/// `dir` cannot be read; [`try_committed`] says why).
-pub fn committed(dir: &Path) -> Vec<(u64, PathBuf)> {
-    try_committed(dir).unwrap_or_default()
-}
-
-/// [`committed`], with an error when `dir` exists but cannot be read (an empty list when it
-/// does not exist).
-pub fn try_committed(dir: &Path) -> anyhow::Result<Vec<(u64, PathBuf)>> {
-    if !dir.exists() {
-        return Ok(Vec::new());
-    }
-    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
-        .with_context(|| format!("listing {}", dir.display()))?
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
-            e.path().join(METADATA).is_file().then(|| (step, e.path()))
-        })
-        .collect();
-    out.sort();
-    Ok(out)
-}
-
-/// The checkpoint folder `path` names: a committed checkpoint itself, or a folder of them (its
-/// `latest`, or else its newest committed one).
-pub fn resolve(path: &Path) -> anyhow::Result<PathBuf> {
-    if path.join(METADATA).is_file() {
-        return Ok(path.to_path_buf());
-    }
-    ensure!(path.is_dir(), "{} is not a folder (a checkpoint is a folder with a {METADATA})", path.display());
-    if let Ok(name) = std::fs::read_to_string(path.join(LATEST)) {
-        let name = name.trim();
-        let valid = name.strip_prefix("step-").is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
-        if !valid {
-            // Never written by `save` (it replaces `latest` atomically): say so, and use the newest
-            // committed checkpoint instead.
-            eprintln!(
-                "shardlab: {}: {name:?} is not a checkpoint name (step-N); ignoring it",
-                path.join(LATEST).display()
-            );
-        } else if path.join(name).join(METADATA).is_file() {
-            return Ok(path.join(name));
-        }
-    }
-    match committed(path).pop() {
-        Some((_, p)) => Ok(p),
-        None => bail!(
-            "{} holds no committed checkpoint (no step-N folder with a {METADATA}; a step-N.tmp folder is an unfinished save)",
-            path.display()
-        ),
-    }
 }
 
 /// Read and check a checkpoint's metadata.

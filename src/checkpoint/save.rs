@@ -37,6 +37,7 @@ pub fn save<H: Holder + ?Sized>(
     agree(&groups, rank, "preparing the checkpoint folder", || {
         if rank == 0 {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            super::lock_folder(dir)?;
             for e in std::fs::read_dir(dir)?.flatten() {
                 let f = e.file_name().to_string_lossy().into_owned();
                 if (f.ends_with(".tmp") || f.ends_with(".deleting")) && e.path().is_dir() {
@@ -146,6 +147,7 @@ pub fn save<H: Holder + ?Sized>(
             files: BTreeMap::new(),
             optimizer_steps: BTreeMap::new(),
             extra: extra.clone(),
+            seq: 1 + committed(dir).iter().map(|(_, p)| super::seq_of(p)).max().unwrap_or(0),
         };
         for r in 0..n {
             let p = tmp.join(format!("rank-{r:05}.json"));
@@ -181,20 +183,32 @@ pub fn save<H: Holder + ?Sized>(
         }
         write_synced(&tmp.join(METADATA), &serde_json::to_vec_pretty(&meta)?)?;
         fsync_dir(&tmp)?;
+        // The commit point: the rename into the step-N namespace, made durable. A committed copy of
+        // this step (a run resumed from an earlier step saves it again) is swapped out atomically,
+        // so that a step-N is committed at every instant, and removed after.
         if path.exists() {
-            remove_checkpoint(&path)?;
+            super::exchange(&tmp, &path)?;
+            fsync_dir(dir)?;
+            if let Err(e) = remove_checkpoint(&tmp) {
+                eprintln!("warning: {name} is committed; removing the copy it replaced: {e:#}");
+            }
+        } else {
+            std::fs::rename(&tmp, &path)
+                .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+            fsync_dir(dir)?;
         }
-        std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-        fsync_dir(dir)?;
-        let latest_tmp = dir.join(format!("{LATEST}.tmp"));
-        write_synced(&latest_tmp, name.as_bytes())?;
-        std::fs::rename(&latest_tmp, dir.join(LATEST))?;
         Ok(())
     })?;
     // Committed. What follows cannot undo that: a failure is a warning, not the save's error.
+    // `latest` names it for people and older readers; `resolve` finds it by its sequence number
+    // even if rank 0 dies before `latest` is replaced.
     if rank == 0 {
-        if let Err(e) = fsync_dir(dir) {
-            eprintln!("warning: {name} is committed, but fsync of {} failed: {e:#}", dir.display());
+        let latest_tmp = dir.join(format!("{LATEST}.tmp"));
+        let latest = write_synced(&latest_tmp, name.as_bytes())
+            .and_then(|_| std::fs::rename(&latest_tmp, dir.join(LATEST)).map_err(anyhow::Error::from))
+            .and_then(|_| fsync_dir(dir));
+        if let Err(e) = latest {
+            eprintln!("warning: {name} is committed, but {} was not replaced: {e:#}", dir.join(LATEST).display());
         }
         if let Some(k) = opts.keep_last {
             // Older steps only: never this one, never a later step of another timeline.
