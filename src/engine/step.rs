@@ -74,8 +74,17 @@ pub fn parallelize(
         matches!(precision, Precision::Fp32 | Precision::Bf16),
         "the engine computes in fp32 or bf16 (autocast), not {precision:?}: fp16 needs a loss scaler (use bf16)"
     );
-    // Every rank builds its GPT from the same seed, in the plan's precision.
-    let build = |keep: &dyn Fn(usize) -> bool| build(keep).map(|g| g.with_precision(precision));
+    // Every rank builds its GPT from the same seed, in the plan's precision (a GPT built in
+    // another is a contradiction, not something to overwrite).
+    let build = |keep: &dyn Fn(usize) -> bool| -> anyhow::Result<Gpt> {
+        let g = build(keep)?;
+        let p = crate::model::Model::precision(&g);
+        anyhow::ensure!(
+            p == Precision::Fp32 || p == precision,
+            "the GPT was built to compute in {p:?}, the plan says {precision:?}"
+        );
+        Ok(g.with_precision(precision))
+    };
     anyhow::ensure!(
         dims.world() == pg.world_size(),
         "the layout {dims:?} has {} ranks, the group {}",

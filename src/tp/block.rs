@@ -11,7 +11,8 @@ use tch::{Kind, Tensor};
 /// the q, k and v blocks of `c_attn`, the matching columns of `attn.c_proj`), the MLP column → row.
 /// LayerNorms and the two output biases are replicated. Per block, forward all-reduces the
 /// attention and MLP outputs (g, twice) and backward the gradients of the two LayerNorm outputs
-/// (f, twice): four all-reduces of B·T·C elements. fp32.
+/// (f, twice): four all-reduces of B·T·C fp32 elements. The matmuls in fp32, or in bf16 as
+/// autocast runs them ([`with_compute`](Self::with_compute)).
 ///
 /// With [`sequence_parallel`](Self::sequence_parallel) (Korthikanti et al. 2022), the block's
 /// input, output, LayerNorms and residual adds hold this rank's T/t tokens only: f becomes an

@@ -63,7 +63,8 @@ pub fn split_of(cfg: &GptConfig, k: usize) -> Split {
     }
 }
 
-/// A GPT split over a tensor-parallel group (fp32, CPU or one device per rank).
+/// A GPT split over a tensor-parallel group (fp32 parameters, matmuls in fp32 or bf16; CPU or one
+/// device per rank).
 pub struct TpGpt {
     pub cfg: GptConfig,
     /// (V/t, C): this rank's vocabulary rows, ids `rank·V/t ..` — the embedding and the tied head.
