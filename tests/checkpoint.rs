@@ -307,6 +307,45 @@ fn damaged_checkpoints_are_refused_with_errors_that_name_the_file() {
     .unwrap();
     let e = out[0].clone().expect("a flipped byte must be refused");
     assert!(e.contains("checksum") && e.contains("rank-00000.safetensors"), "{e}");
+    // Part of a piece: a flipped byte in element 100 of rank 0's piece of wte (elements 0..1024),
+    // loaded by DDP on 3 ranks — rank 0 reads elements 0..682 of it, not the whole piece: the
+    // blocks it touches are checked (`files::tests`), and every rank refuses.
+    let d = copy("partial");
+    let f = d.join("rank-00000.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let head_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let head: shardlab::serde_json::Value = shardlab::serde_json::from_slice(&bytes[8..8 + head_len]).unwrap();
+    let entry = &head["param/transformer.wte.weight/0"];
+    assert_eq!(entry["shape"][0], 1024, "DDP rank 0's half of wte");
+    bytes[8 + head_len + entry["data_offsets"][0].as_u64().unwrap() as usize + 4 * 100 + 1] ^= 0x40;
+    std::fs::write(&f, &bytes).unwrap();
+    let d2 = d.clone();
+    let out = spawn(3, Backend::Local, move |pg| {
+        let mut dp = wrap(pg, S::Ddp, 1, Precision::Fp32)?;
+        Ok(checkpoint::load(&mut *dp, &mut opt(), &d2).err().map(|e| format!("{e:#}")))
+    })
+    .unwrap();
+    assert!(out.iter().all(|e| e.is_some()), "every rank refuses a partly read damaged piece: {out:?}");
+    assert!(out[0].as_deref().is_some_and(|e| e.contains("do not match their checksum")), "{:?}", out[0]);
+    // The whole-piece flip resharded into ZeRO-3 on 3 ranks: refused too.
+    let d2 = d.clone();
+    let out = spawn(3, Backend::Local, move |pg| {
+        let mut dp = wrap(pg, S::Zero(Stage::Three), 1, Precision::Fp32)?;
+        Ok(checkpoint::load(&mut *dp, &mut opt(), &d2).err().map(|e| format!("{e:#}")))
+    })
+    .unwrap();
+    assert!(out.iter().all(|e| e.is_some()), "every rank refuses: {out:?}");
+    let named = out.iter().flatten().find(|e| e.contains("rank-00000.safetensors"));
+    assert!(named.is_some_and(|e| e.contains("checksum")), "{out:?}");
+    // A byte of a rank file's header changed (an offset's digit): refused before it is believed.
+    let d = copy("header");
+    let f = d.join("rank-00001.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let at = bytes.windows(16).position(|w| w == b"\"data_offsets\":[").expect("a header") + 16;
+    bytes[at] = if bytes[at] == b'1' { b'2' } else { b'1' };
+    std::fs::write(&f, &bytes).unwrap();
+    let e = load_error(&d, tiny);
+    assert!(e.contains("rank-00001.safetensors") && e.contains("header does not match"), "{e}");
     // Missing rank file.
     let d = copy("missing");
     std::fs::remove_file(d.join("rank-00001.safetensors")).unwrap();
@@ -329,7 +368,7 @@ fn damaged_checkpoints_are_refused_with_errors_that_name_the_file() {
     std::fs::create_dir_all(d.join("step-00000005.tmp")).unwrap();
     let e = load_error(&d, tiny);
     assert!(e.contains("no committed checkpoint"), "{e}");
-    for t in ["trunc", "flip", "missing", "version", "empty", "damaged"] {
+    for t in ["trunc", "flip", "partial", "header", "missing", "version", "empty", "damaged"] {
         let _ = std::fs::remove_dir_all(tmpdir(t));
     }
 }

@@ -20,11 +20,32 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// What writing a rank file produced: its size, its checksum, and each tensor's checksum.
+/// Each tensor of a rank file is checksummed in up to this many blocks (of at least
+/// [`MIN_BLOCK_ELEMS`] elements): a read of part of it (resharding) reads and checks the blocks
+/// it touches — at most two blocks more than it needs, 1/8 of the tensor.
+pub const BLOCKS: i64 = 16;
+/// The smallest block, in elements.
+pub const MIN_BLOCK_ELEMS: i64 = 64;
+
+/// The block size of a tensor of `numel` elements.
+pub fn block_elems(numel: i64) -> i64 {
+    ((numel + BLOCKS - 1) / BLOCKS).max(MIN_BLOCK_ELEMS)
+}
+
+/// The checksum of a block: the first 64 bits of its SHA-256, in hex (enough to catch corruption;
+/// 16 characters a block in the metadata).
+fn block_hash(bytes: &[u8]) -> String {
+    sha256_hex(bytes)[..16].to_string()
+}
+
+/// What writing a rank file produced: its size, its checksum, its header's checksum, and each
+/// tensor's checksum, whole and by blocks ([`block_elems`]).
 pub struct Written {
     pub bytes: u64,
     pub sha256: String,
+    pub header_sha256: String,
     pub tensor_sha256: Vec<String>,
+    pub block_sha256: Vec<Vec<String>>,
 }
 
 /// A writer that fails once `limit` bytes have gone through it (a full disk, in tests).
@@ -75,21 +96,27 @@ pub fn write(path: &Path, tensors: &[(String, Tensor)], fail_after_bytes: Option
         whole.update(bytes);
         w.write_all(bytes).with_context(|| format!("writing {}", path.display()))
     };
-    put(&mut w, &(head.len() as u64).to_le_bytes(), &mut whole)?;
+    let len_bytes = (head.len() as u64).to_le_bytes();
+    let header_sha256 = sha256_hex(&[&len_bytes[..], &head].concat());
+    put(&mut w, &len_bytes, &mut whole)?;
     put(&mut w, &head, &mut whole)?;
     let mut tensor_sha256 = Vec::with_capacity(tensors.len());
+    let mut block_sha256 = Vec::with_capacity(tensors.len());
     for (key, t) in tensors {
         // A piece on a GPU is staged through host memory, one piece at a time.
         let t =
             if t.device() == tch::Device::Cpu { t.contiguous() } else { t.to_device(tch::Device::Cpu).contiguous() };
         let view = crate::comm::dtype::TensorBytes::of(&t, key).map_err(anyhow::Error::msg)?;
         tensor_sha256.push(sha256_hex(view.bytes()));
+        let block = 4 * block_elems(t.numel() as i64) as usize;
+        block_sha256.push(view.bytes().chunks(block).map(block_hash).collect());
         put(&mut w, view.bytes(), &mut whole)?;
     }
     let file = w.inner.into_inner().map_err(|e| anyhow::anyhow!("writing {}: {}", path.display(), e.error()))?;
     file.sync_all().with_context(|| format!("fsync {}", path.display()))?;
     let bytes = file.metadata()?.len();
-    Ok(Written { bytes, sha256: whole.finalize().iter().map(|b| format!("{b:02x}")).collect(), tensor_sha256 })
+    let sha256 = whole.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    Ok(Written { bytes, sha256, header_sha256, tensor_sha256, block_sha256 })
 }
 
 /// A rank file opened for ranged reads.
@@ -100,12 +127,16 @@ pub struct Reader {
     entries: BTreeMap<String, (u64, u64)>,
     /// Bytes read from the file so far (header included).
     pub bytes_read: u64,
+    /// The last block [`read_blocks_checked`](Self::read_blocks_checked) checked: tensor, index,
+    /// values.
+    block: Option<(String, i64, Vec<f32>)>,
 }
 
 impl Reader {
     /// Open `path` and parse its header; `expect_bytes`: the size the metadata recorded (a shorter
-    /// file is truncated, a longer one is not this checkpoint's).
-    pub fn open(path: &Path, expect_bytes: u64) -> anyhow::Result<Self> {
+    /// file is truncated, a longer one is not this checkpoint's); `header_sha256`: the header's
+    /// recorded checksum, checked before the header is believed (empty: not recorded).
+    pub fn open(path: &Path, expect_bytes: u64, header_sha256: &str) -> anyhow::Result<Self> {
         let shown = path.display().to_string();
         let mut file = File::open(path).with_context(|| format!("opening {shown} (a rank file of this checkpoint)"))?;
         let len = file.metadata()?.len();
@@ -120,6 +151,13 @@ impl Reader {
         ensure!(n <= len - 8, "{shown}: header length {n} is past the end of the file");
         let mut head = vec![0u8; n as usize];
         file.read_exact(&mut head)?;
+        if !header_sha256.is_empty() {
+            let got = sha256_hex(&[&n.to_le_bytes()[..], &head].concat());
+            ensure!(
+                got == header_sha256,
+                "{shown}: its header does not match its checksum (sha256 {got}, the metadata says {header_sha256}): the file is corrupt"
+            );
+        }
         let header: BTreeMap<String, Value> =
             serde_json::from_slice(&head).with_context(|| format!("{shown}: the safetensors header is not JSON"))?;
         let mut entries = BTreeMap::new();
@@ -133,7 +171,7 @@ impl Reader {
             ensure!(b <= e && 8 + n + e <= len, "{shown}: {k}'s bytes {b}..{e} are not inside the file");
             entries.insert(k, (b, e));
         }
-        Ok(Reader { file, path: shown, data_start: 8 + n, entries, bytes_read: 8 + n })
+        Ok(Reader { file, path: shown, data_start: 8 + n, entries, bytes_read: 8 + n, block: None })
     }
 
     /// Elements `src..src + len` of tensor `key`.
@@ -160,6 +198,56 @@ impl Reader {
             }
         }
         self.bytes_read += hi - lo;
+        Ok(())
+    }
+
+    /// Elements `src..src + dst.len()` of `key` into `dst`, each block ([`block_elems`]) they
+    /// touch read whole and checked against `blocks` (its recorded checksums, in order) — the
+    /// last block checked is kept, so that many small reads of one block (a box's rows) read it
+    /// once.
+    pub fn read_blocks_checked(
+        &mut self,
+        key: &str,
+        blocks: &[String],
+        src: i64,
+        dst: &mut [f32],
+    ) -> anyhow::Result<()> {
+        let n = self.numel(key).with_context(|| format!("{}: no tensor {key}", self.path))?;
+        let end = src + dst.len() as i64;
+        ensure!(src >= 0 && end <= n, "{}: elements {src}..{end} are outside {key}", self.path);
+        let size = block_elems(n);
+        let count = (n + size - 1) / size;
+        ensure!(
+            blocks.len() as i64 == count,
+            "{}: {key} has {count} blocks, the metadata lists {} checksums",
+            self.path,
+            blocks.len()
+        );
+        let mut at = src;
+        while at < end {
+            let b = at / size;
+            let lo = b * size;
+            let hi = (lo + size).min(n);
+            let fresh = !matches!(&self.block, Some((k, i, _)) if k == key && *i == b);
+            if fresh {
+                let mut vals = vec![0f32; (hi - lo) as usize];
+                self.read_into(key, lo, &mut vals)?;
+                let bytes: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+                let got = block_hash(&bytes);
+                ensure!(
+                    got == blocks[b as usize],
+                    "{}: {key}'s elements {lo}..{hi} do not match their checksum (sha256 {got}, the metadata says {}): the file is corrupt",
+                    self.path,
+                    blocks[b as usize]
+                );
+                self.block = Some((key.to_string(), b, vals));
+            }
+            let (_, _, vals) = self.block.as_ref().expect("just read");
+            let take = (hi.min(end) - at) as usize;
+            let d = (at - src) as usize;
+            dst[d..d + take].copy_from_slice(&vals[(at - lo) as usize..(at - lo) as usize + take]);
+            at += take as i64;
+        }
         Ok(())
     }
 
@@ -220,5 +308,45 @@ impl Reader {
     /// Elements of `key` in the file.
     pub fn numel(&self, key: &str) -> Option<i64> {
         self.entries.get(key).map(|(b, e)| ((e - b) / 4) as i64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tensor of 16 blocks with one byte flipped in block 5: a read inside the first blocks
+    /// passes, any read touching block 5 fails naming its elements, the unchecked read returns the
+    /// flipped value silently — which is why partial reads check blocks. A changed header is
+    /// refused at open.
+    #[test]
+    fn a_partial_read_checks_the_blocks_it_touches() {
+        let dir = std::env::temp_dir().join(format!("shardlab-blocks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rank-00000.safetensors");
+        let n = 16 * 1000;
+        let size = block_elems(n);
+        assert_eq!(size, 1000);
+        let t = Tensor::arange(n, (Kind::Float, tch::Device::Cpu));
+        let w = write(&path, &[("p".to_string(), t)], None).unwrap();
+        assert_eq!(w.block_sha256[0].len(), 16);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let at = bytes.len() - 4 * (n as usize - 5007); // element 5007, in block 5
+        bytes[at + 2] ^= 0x01;
+        std::fs::write(&path, &bytes).unwrap();
+        let mut r = Reader::open(&path, bytes.len() as u64, &w.header_sha256).unwrap();
+        let mut out = vec![0f32; 100];
+        r.read_blocks_checked("p", &w.block_sha256[0], 5, &mut out).unwrap();
+        assert_eq!(out[0], 5.0);
+        let e = r.read_blocks_checked("p", &w.block_sha256[0], 4950, &mut out).unwrap_err();
+        assert!(format!("{e}").contains("elements 5000..6000"), "{e}");
+        r.read_into("p", 5007, &mut out[..1]).unwrap();
+        assert_ne!(out[0], 5007.0, "unchecked, the flipped value comes back");
+        r.read_blocks_checked("p", &w.block_sha256[0], n - 10, &mut out[..10]).unwrap();
+        bytes[12] ^= 0x01;
+        std::fs::write(&path, &bytes).unwrap();
+        let e = Reader::open(&path, bytes.len() as u64, &w.header_sha256).err().expect("a changed header");
+        assert!(format!("{e}").contains("header does not match"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -112,9 +112,14 @@ pub fn load<H: Holder + ?Sized>(h: &mut H, opt: &mut AdamW, path: &Path) -> anyh
                                 buf[d..d + r.len as usize].copy_from_slice(&vals[s..s + r.len as usize]);
                             }
                         } else {
+                            // Part of a piece: the blocks it touches, each read whole and checked.
                             for r in rs {
-                                let d = r.dst as usize;
-                                reader.read_into(&sp.key, r.src, &mut buf[d..d + r.len as usize])?;
+                                let d = &mut buf[r.dst as usize..(r.dst + r.len) as usize];
+                                if sp.blocks.is_empty() {
+                                    reader.read_into(&sp.key, r.src, d)?; // written before block checksums
+                                } else {
+                                    reader.read_blocks_checked(&sp.key, &sp.blocks, r.src, d)?;
+                                }
                             }
                         }
                     }

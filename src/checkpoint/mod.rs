@@ -112,6 +112,10 @@ pub struct PieceMeta {
     /// The box of the tensor the piece is a flat range of (absent: the whole tensor).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub region: Option<plan::Region>,
+    /// The checksums of the piece's blocks ([`files::block_elems`]), in order: what a read of
+    /// part of it checks (absent in checkpoints written before them: such reads go unchecked).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blocks: Vec<String>,
 }
 
 impl PieceMeta {
@@ -126,6 +130,9 @@ impl PieceMeta {
 pub struct FileMeta {
     pub bytes: u64,
     pub sha256: String,
+    /// The file's header (its length and JSON), checked before a load believes it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub header_sha256: String,
 }
 
 /// What one rank wrote (its index file).
@@ -244,7 +251,7 @@ fn open_reader<'a>(
 ) -> anyhow::Result<&'a mut files::Reader> {
     let f = meta.files.get(file).with_context(|| format!("{file} is not listed in the metadata"))?;
     if !readers.contains_key(file) {
-        readers.insert(file.to_string(), files::Reader::open(&dir.join(file), f.bytes)?);
+        readers.insert(file.to_string(), files::Reader::open(&dir.join(file), f.bytes, &f.header_sha256)?);
     }
     Ok(readers.get_mut(file).expect("opened"))
 }

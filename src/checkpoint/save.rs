@@ -118,17 +118,19 @@ pub fn save<H: Holder + ?Sized>(
                         hi: within.end,
                         sha256: String::new(),
                         region: (!whole).then(|| piece.region.clone()),
+                        blocks: Vec::new(),
                     };
                     pieces.push((format!("{kind}/{tname}"), shape.clone(), meta));
                 }
             }
         }
         let w = files::write(&tmp.join(&file), &tensors, opts.fail_after_bytes)?;
-        for (p, h) in pieces.iter_mut().zip(&w.tensor_sha256) {
+        for ((p, h), b) in pieces.iter_mut().zip(&w.tensor_sha256).zip(&w.block_sha256) {
             p.2.sha256 = h.clone();
+            p.2.blocks = b.clone();
         }
-        let index =
-            RankIndex { rank, file, meta: FileMeta { bytes: w.bytes, sha256: w.sha256 }, pieces, optimizer_steps };
+        let meta = FileMeta { bytes: w.bytes, sha256: w.sha256, header_sha256: w.header_sha256 };
+        let index = RankIndex { rank, file, meta, pieces, optimizer_steps };
         write_synced(&tmp.join(format!("rank-{rank:05}.json")), &serde_json::to_vec(&index)?)?;
         crate::launch::injected_failure("save", rank, step)?;
         Ok(w.bytes)
