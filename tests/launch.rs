@@ -109,3 +109,87 @@ fn slurm_node_lists_give_the_first_host() {
     assert_eq!(first_host("rack[2-3]n[01-04]").as_deref(), Some("rack2n01"), "every bracket group: its first value");
     assert_eq!(first_host(""), None);
 }
+
+/// Whether process `pid` is gone (or a zombie nobody reaped: dead all the same).
+fn dead(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(s) => s.rsplit(") ").next().is_some_and(|rest| rest.starts_with('Z')),
+    }
+}
+
+/// Signals, as torchrun handles them: SIGTERM to the launcher reaches every rank (each exits
+/// through its own handler) and the launcher exits 128 + 15 with no rank left; SIGKILL to the
+/// launcher kills its ranks too (they are started with `PR_SET_PDEATHSIG`); after a rank fails,
+/// the others get SIGTERM once the grace period is over (not SIGKILL first), said once.
+#[test]
+fn the_launcher_forwards_signals_and_leaves_no_rank_behind() {
+    let dir = std::env::temp_dir().join(format!("shardlab-launch-signals-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // Each rank writes its pid, and on SIGTERM a file of its own before it exits 0.
+    let script = |d: &Path, fail_rank0: bool| {
+        let fail = if fail_rank0 { r#"if [ "$RANK" = 0 ]; then exit 3; fi; "# } else { "" };
+        format!(
+            r#"echo $$ > {d}/pid.$RANK; {fail}trap 'echo term > {d}/term.$RANK; exit 0' TERM; while true; do sleep 0.05; done"#,
+            d = d.display()
+        )
+    };
+    let start = |d: &Path, fail: bool, grace: &str| {
+        let mut c = Command::new(LAUNCH);
+        clean(&mut c)
+            .args(["--nproc-per-node", "2", "--grace-s", grace, "--term-s", "5", "--", "sh", "-c", &script(d, fail)])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c.spawn().expect("start launch")
+    };
+    let pids = |d: &Path| -> Vec<i32> {
+        let t0 = Instant::now();
+        loop {
+            let p: Vec<i32> = (0..2)
+                .filter_map(|r| std::fs::read_to_string(d.join(format!("pid.{r}"))).ok())
+                .filter_map(|s| s.trim().parse().ok())
+                .collect();
+            if p.len() == 2 {
+                return p;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "the ranks did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // SIGTERM to the launcher.
+    let d = dir.join("term");
+    std::fs::create_dir_all(&d).unwrap();
+    let l = start(&d, false, "30");
+    let ranks = pids(&d);
+    unsafe { libc::kill(l.id() as i32, libc::SIGTERM) };
+    let out = l.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(128 + 15), "{}", text(&out));
+    for r in 0..2 {
+        assert!(d.join(format!("term.{r}")).is_file(), "rank {r} got SIGTERM: {}", text(&out));
+    }
+    assert!(ranks.iter().all(|&p| dead(p)), "no rank outlives the launcher");
+    // SIGKILL to the launcher: its ranks die with it.
+    let d = dir.join("kill");
+    std::fs::create_dir_all(&d).unwrap();
+    let mut l = start(&d, false, "30");
+    let ranks = pids(&d);
+    l.kill().unwrap();
+    l.wait().unwrap();
+    let t0 = Instant::now();
+    while !ranks.iter().all(|&p| dead(p)) && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(ranks.iter().all(|&p| dead(p)), "ranks {ranks:?} outlived their SIGKILLed launcher");
+    // Rank 0 fails: rank 1 gets SIGTERM after the grace period and exits through its handler.
+    let d = dir.join("fail");
+    std::fs::create_dir_all(&d).unwrap();
+    let l = start(&d, true, "0.5");
+    let out = l.wait_with_output().unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(3), "the first failure's code: {t}");
+    assert!(d.join("term.1").is_file(), "rank 1 got SIGTERM, not SIGKILL: {t}");
+    assert_eq!(t.matches("SIGTERM to the").count(), 1, "{t}");
+    assert!(!t.contains("killing rank"), "{t}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

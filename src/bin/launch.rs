@@ -19,15 +19,20 @@
 //! LOCAL_WORLD_SIZE, GROUP_RANK (the node rank), MASTER_ADDR, MASTER_PORT, SHARDLAB_LAUNCHER and
 //! SHARDLAB_JOB_ID; the program's `spawn` then joins that group instead of starting processes.
 //! When a rank fails, the others get `--grace-s` seconds to fail on their own (their collectives
-//! do), then are killed; the launcher exits with the first failure's code.
+//! do), then SIGTERM (a chance to abort their communicators and flush), then SIGKILL after
+//! `--term-s`; the launcher exits with the first failure's code. SIGTERM or SIGINT to the
+//! launcher is forwarded to every rank, SIGKILL after `--term-s` (torchrun's behaviour); and the
+//! ranks die with the launcher even if it is SIGKILLed (`PR_SET_PDEATHSIG`), so no rank outlives
+//! it holding its GPU.
 
 use clap::Parser;
 use shardlab::comm::auth::{Secret, SECRET_ENV};
 use shardlab::comm::first_host;
 use shardlab::launch::ENV_LAUNCHER;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Command, ExitStatus};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 #[derive(Parser, Debug)]
@@ -51,6 +56,10 @@ struct Args {
     /// Seconds the other ranks get to fail on their own after one failed, before they are killed.
     #[arg(long, default_value_t = 30.0)]
     grace_s: f64,
+    /// Seconds between the SIGTERM a rank gets (after a failure, or forwarded from the launcher)
+    /// and its SIGKILL.
+    #[arg(long, default_value_t = 10.0)]
+    term_s: f64,
     /// The program (a path, or the name of a bin next to this one) and its arguments.
     #[arg(required = true, last = true)]
     command: Vec<String>,
@@ -82,7 +91,25 @@ fn describe(s: &ExitStatus) -> String {
     }
 }
 
+/// The signal the launcher received (SIGTERM, SIGINT), 0 while none.
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+/// Send `sig` to a child that has not been reaped yet (its pid is still its own).
+fn signal(c: &std::process::Child, sig: libc::c_int) {
+    // SAFETY: kill(2) on the pid of a child this process has not waited for.
+    unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+}
+
 fn main() -> anyhow::Result<()> {
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    unsafe {
+        libc::signal(libc::SIGTERM, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
+        libc::signal(libc::SIGINT, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
+    }
     let a = Args::parse();
     let nnodes = a.nnodes.or_else(|| env_usize("SLURM_NNODES")).unwrap_or(1);
     let node_rank = a.node_rank.or_else(|| env_usize("SLURM_NODEID")).unwrap_or(0);
@@ -129,6 +156,16 @@ fn main() -> anyhow::Result<()> {
             .env("SHARDLAB_JOB_ID", &job_id)
             .env(SECRET_ENV, &secret)
             .stdin(std::process::Stdio::null());
+        // SAFETY: prctl in the child between fork and exec: async-signal-safe, no allocation.
+        // The rank gets SIGKILL when the launcher dies, however it dies.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         if rank == 0 && !loopback && std::env::var_os("SHARDLAB_STORE_BIND").is_none() {
             // Other machines must reach rank 0's store.
             cmd.env("SHARDLAB_STORE_BIND", "0.0.0.0");
@@ -144,14 +181,17 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    // Wait for every rank; after the first failure, the others get the grace period.
+    // Wait for every rank. After the first failure the others get the grace period to fail on
+    // their own; then (or at once, on a signal to the launcher) SIGTERM, and SIGKILL `term_s` later.
     let mut status: Vec<Option<ExitStatus>> = vec![None; children.len()];
     let mut first_failure: Option<(Instant, usize)> = None;
+    let mut termed: Option<Instant> = None;
+    let mut killed = false;
     while status.iter().any(|s| s.is_none()) {
         for (k, (rank, c)) in children.iter_mut().enumerate() {
             if status[k].is_none() {
                 if let Ok(Some(s)) = c.try_wait() {
-                    if !s.success() && first_failure.is_none() {
+                    if !s.success() && first_failure.is_none() && termed.is_none() {
                         eprintln!(
                             "launch: rank {rank} failed ({}); the others have {:.0} s to stop",
                             describe(&s),
@@ -163,17 +203,34 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        if let Some((t, _)) = first_failure {
-            if t.elapsed() > Duration::from_secs_f64(a.grace_s) {
-                for (k, (rank, c)) in children.iter_mut().enumerate() {
-                    if status[k].is_none() {
-                        eprintln!("launch: killing rank {rank} (still running {:.0} s after the failure)", a.grace_s);
-                        let _ = c.kill();
-                    }
+        let live = |status: &[Option<ExitStatus>]| status.iter().filter(|s| s.is_none()).count();
+        let sig = SIGNALLED.load(Ordering::SeqCst);
+        let overdue = first_failure.is_some_and(|(t, _)| t.elapsed() > Duration::from_secs_f64(a.grace_s));
+        if termed.is_none() && (sig != 0 || overdue) && live(&status) > 0 {
+            let why = if sig != 0 { format!("the launcher got signal {sig}") } else { "after the failure".into() };
+            eprintln!("launch: SIGTERM to the {} running rank(s) ({why}); SIGKILL in {:.0} s", live(&status), a.term_s);
+            for (k, (_, c)) in children.iter().enumerate() {
+                if status[k].is_none() {
+                    signal(c, libc::SIGTERM);
                 }
             }
+            termed = Some(Instant::now());
+        }
+        if !killed && termed.is_some_and(|t| t.elapsed() > Duration::from_secs_f64(a.term_s)) {
+            for (k, (rank, c)) in children.iter_mut().enumerate() {
+                if status[k].is_none() {
+                    eprintln!("launch: killing rank {rank} (still running {:.0} s after SIGTERM)", a.term_s);
+                    let _ = c.kill();
+                }
+            }
+            killed = true;
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+    let sig = SIGNALLED.load(Ordering::SeqCst);
+    if first_failure.is_none() && sig != 0 {
+        // Stopped by a signal: exit as the shell expects of a process it signalled.
+        std::process::exit(128 + sig);
     }
     match first_failure {
         None => Ok(()),
