@@ -724,10 +724,12 @@ fn the_newest_commit_is_resumed_and_a_second_job_is_refused() {
     let other = tmpdir("seq-other");
     std::fs::create_dir_all(&other).unwrap();
     std::fs::write(other.join(".lock"), "pid 4242 on elsewhere, since 0 (Unix time)").unwrap();
+    use std::os::unix::process::CommandExt;
     let mut holder = std::process::Command::new("flock")
         .arg("-o")
         .arg(other.join(".lock"))
         .args(["sleep", "30"])
+        .process_group(0)
         .spawn()
         .expect("flock(1)");
     std::thread::sleep(std::time::Duration::from_millis(300));
@@ -743,7 +745,7 @@ fn the_newest_commit_is_resumed_and_a_second_job_is_refused() {
     }
     assert!(errs[0].as_deref().unwrap().contains("pid 4242 on elsewhere"), "{:?}", errs[0]);
     assert!(checkpoint::committed(&other).is_empty());
-    holder.kill().unwrap();
+    unsafe { libc::kill(-(holder.id() as i32), libc::SIGKILL) }; // flock and its sleep
     holder.wait().unwrap();
     let o = other.clone();
     spawn(2, Backend::Local, move |pg| {
@@ -752,6 +754,19 @@ fn the_newest_commit_is_resumed_and_a_second_job_is_refused() {
     })
     .unwrap();
     assert_eq!(checkpoint::committed(&other).len(), 1, "the folder is free once its holder is gone");
+    // This process holds it now, until its job ends (`unlock_folder`): then another may take it.
+    let try_lock = || {
+        std::process::Command::new("flock")
+            .args(["-n"])
+            .arg(other.join(".lock"))
+            .arg("true")
+            .status()
+            .unwrap()
+            .success()
+    };
+    assert!(!try_lock(), "held by this process after its save");
+    checkpoint::unlock_folder(&other);
+    assert!(try_lock(), "free once the job is over");
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&other);
 }

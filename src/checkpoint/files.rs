@@ -22,7 +22,8 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// Each tensor of a rank file is checksummed in up to this many blocks (of at least
 /// [`MIN_BLOCK_ELEMS`] elements): a read of part of it (resharding) reads and checks the blocks
-/// it touches — at most two blocks more than it needs, 1/8 of the tensor.
+/// it touches — for one range, at most two blocks more than it needs (1/8 of the tensor, or two
+/// 64-element blocks); the rows of a box may touch every block.
 pub const BLOCKS: i64 = 16;
 /// The smallest block, in elements.
 pub const MIN_BLOCK_ELEMS: i64 = 64;

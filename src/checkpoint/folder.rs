@@ -17,24 +17,94 @@ pub(super) fn remove_checkpoint(path: &Path) -> anyhow::Result<()> {
     std::fs::remove_dir_all(&doomed).with_context(|| format!("removing {}", doomed.display()))
 }
 
-/// Swap folders `a` and `b` atomically (`renameat2(RENAME_EXCHANGE)`): both names exist at every
-/// instant. Where the file system cannot (EINVAL, ENOSYS), `b` is removed and `a` renamed to it —
-/// with a window in which neither exists.
-pub(super) fn exchange(a: &Path, b: &Path) -> anyhow::Result<()> {
+/// Remove what crashed saves left in `dir`: unfinished `step-N.tmp/` folders (never committed) and
+/// `.deleting` ones; a `step-N.replaced` folder is put back as `step-N` if a crash came between
+/// moving it aside and renaming its replacement in ([`replace`]), removed otherwise.
+pub(super) fn sweep(dir: &Path) -> anyhow::Result<()> {
+    for e in std::fs::read_dir(dir)?.flatten() {
+        let f = e.file_name().to_string_lossy().into_owned();
+        if !e.path().is_dir() {
+            continue;
+        }
+        if f.ends_with(".tmp") || f.ends_with(".deleting") {
+            std::fs::remove_dir_all(e.path())?;
+        } else if let Some(step) = f.strip_suffix(".replaced") {
+            if dir.join(step).exists() {
+                std::fs::remove_dir_all(e.path())?;
+            } else {
+                std::fs::rename(e.path(), dir.join(step))?;
+                fsync_dir(dir)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Commit folder `tmp` as `path`. When `path` is a committed checkpoint already, the two are
+/// swapped atomically (`renameat2(RENAME_EXCHANGE)`: `path` names a committed checkpoint at every
+/// instant) and the old one removed. Where the file system cannot swap, the old one is moved aside
+/// to `path.replaced` first — which [`sweep`] puts back if a crash comes before the rename.
+pub(super) fn replace(tmp: &Path, path: &Path) -> anyhow::Result<()> {
+    if !path.exists() {
+        return std::fs::rename(tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()));
+    }
+    if !exchange(tmp, path)? {
+        return replace_aside(tmp, path);
+    }
+    // Committed (the old copy is now at `tmp`): what follows are warnings.
+    after_commit(path, &[tmp.to_path_buf()]);
+    Ok(())
+}
+
+/// [`replace`] where folders cannot be swapped: the old one moved aside (to `path.replaced`, which
+/// [`sweep`] puts back after a crash before the rename), the new one renamed in, the old removed.
+fn replace_aside(tmp: &Path, path: &Path) -> anyhow::Result<()> {
+    let aside = path.with_file_name(format!("{}.replaced", path.file_name().unwrap_or_default().to_string_lossy()));
+    std::fs::rename(path, &aside).with_context(|| format!("moving {} aside", path.display()))?;
+    std::fs::rename(tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    after_commit(path, &[aside]);
+    Ok(())
+}
+
+/// After `path` was committed in place of an old copy (now at `old`): make the folder durable and
+/// remove the old copy — failures are warnings, the commit stands.
+fn after_commit(path: &Path, old: &[PathBuf]) {
+    if let Some(Err(e)) = path.parent().map(fsync_dir) {
+        eprintln!("warning: {} is committed, but fsync of its folder failed: {e:#}", path.display());
+    }
+    for o in old {
+        if let Err(e) = std::fs::remove_dir_all(o) {
+            eprintln!(
+                "warning: {} is committed; removing the copy it replaced ({}): {e:#}",
+                path.display(),
+                o.display()
+            );
+        }
+    }
+}
+
+/// Swap folders `a` and `b` atomically (`renameat2(RENAME_EXCHANGE)`); `false` where the file
+/// system or platform cannot.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn exchange(a: &Path, b: &Path) -> anyhow::Result<bool> {
     use std::os::unix::ffi::OsStrExt;
     let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).context("a path with a NUL byte");
     let (ca, cb) = (c(a)?, c(b)?);
     // SAFETY: two NUL-terminated paths that live across the call.
     let r = unsafe { libc::renameat2(libc::AT_FDCWD, ca.as_ptr(), libc::AT_FDCWD, cb.as_ptr(), libc::RENAME_EXCHANGE) };
     if r == 0 {
-        return Ok(());
+        return Ok(true);
     }
     let e = std::io::Error::last_os_error();
     if matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOSYS)) {
-        remove_checkpoint(b)?;
-        return std::fs::rename(a, b).with_context(|| format!("renaming {} to {}", a.display(), b.display()));
+        return Ok(false);
     }
     Err(e).with_context(|| format!("swapping {} and {}", a.display(), b.display()))
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn exchange(_: &Path, _: &Path) -> anyhow::Result<bool> {
+    Ok(false)
 }
 
 /// The sequence number of the checkpoint in `dir` (0 if it has none or cannot be read).
@@ -121,5 +191,48 @@ pub fn resolve(path: &Path) -> anyhow::Result<PathBuf> {
             "{} holds no committed checkpoint (no step-N folder with a {METADATA}; a step-N.tmp folder is an unfinished save)",
             path.display()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn folder(p: &Path, what: &str) {
+        std::fs::create_dir_all(p).unwrap();
+        std::fs::write(p.join(METADATA), what).unwrap();
+    }
+    fn what(p: &Path) -> String {
+        std::fs::read_to_string(p.join(METADATA)).unwrap()
+    }
+
+    /// Replacing a committed step: swapped (or, where folders cannot be swapped, moved aside),
+    /// nothing left behind; a crash between moving the old one aside and renaming the new one in
+    /// leaves the old one, which the next save's sweep puts back (and removes the unfinished new).
+    #[test]
+    fn a_replaced_step_is_committed_at_every_instant() {
+        let dir = std::env::temp_dir().join(format!("shardlab-replace-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (step, tmp) = (dir.join("step-00000005"), dir.join("step-00000005.tmp"));
+        for swap in [true, false] {
+            folder(&step, "old");
+            folder(&tmp, "new");
+            if swap {
+                replace(&tmp, &step).unwrap()
+            } else {
+                replace_aside(&tmp, &step).unwrap()
+            }
+            assert_eq!(what(&step), "new");
+            let left: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name()).collect();
+            assert_eq!(left.len(), 1, "swap {swap}: {left:?}");
+        }
+        // The crash: the old step aside, the new one not renamed in yet.
+        std::fs::rename(&step, dir.join("step-00000005.replaced")).unwrap();
+        folder(&tmp, "newer");
+        assert!(super::resolve(&dir).is_err(), "no committed checkpoint in the window");
+        sweep(&dir).unwrap();
+        assert_eq!(what(&step), "new", "the old step is back");
+        assert!(!tmp.exists() && !dir.join("step-00000005.replaced").exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -50,10 +50,10 @@ mod save;
 
 pub use consolidate::{consolidate, read_tensor, Consolidated};
 pub use folder::{committed, resolve, try_committed};
-use folder::{exchange, fsync_dir, remove_checkpoint, seq_of, write_synced};
+use folder::{fsync_dir, remove_checkpoint, seq_of, write_synced};
 pub use holder::{HeldPiece, HeldSlot, Holder};
 pub use load::load;
-pub use lock::lock_folder;
+pub use lock::{lock_folder, unlock_folder};
 pub use save::save;
 use std::ops::Range;
 

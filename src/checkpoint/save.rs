@@ -38,12 +38,7 @@ pub fn save<H: Holder + ?Sized>(
         if rank == 0 {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             super::lock_folder(dir)?;
-            for e in std::fs::read_dir(dir)?.flatten() {
-                let f = e.file_name().to_string_lossy().into_owned();
-                if (f.ends_with(".tmp") || f.ends_with(".deleting")) && e.path().is_dir() {
-                    std::fs::remove_dir_all(e.path())?;
-                }
-            }
+            super::folder::sweep(dir)?;
             std::fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         }
         Ok(())
@@ -149,7 +144,7 @@ pub fn save<H: Holder + ?Sized>(
             files: BTreeMap::new(),
             optimizer_steps: BTreeMap::new(),
             extra: extra.clone(),
-            seq: 1 + committed(dir).iter().map(|(_, p)| super::seq_of(p)).max().unwrap_or(0),
+            seq: 1 + super::try_committed(dir)?.iter().map(|(_, p)| super::seq_of(p)).max().unwrap_or(0),
         };
         for r in 0..n {
             let p = tmp.join(format!("rank-{r:05}.json"));
@@ -185,19 +180,13 @@ pub fn save<H: Holder + ?Sized>(
         }
         write_synced(&tmp.join(METADATA), &serde_json::to_vec_pretty(&meta)?)?;
         fsync_dir(&tmp)?;
-        // The commit point: the rename into the step-N namespace, made durable. A committed copy of
-        // this step (a run resumed from an earlier step saves it again) is swapped out atomically,
-        // so that a step-N is committed at every instant, and removed after.
-        if path.exists() {
-            super::exchange(&tmp, &path)?;
-            fsync_dir(dir)?;
-            if let Err(e) = remove_checkpoint(&tmp) {
-                eprintln!("warning: {name} is committed; removing the copy it replaced: {e:#}");
-            }
-        } else {
-            std::fs::rename(&tmp, &path)
-                .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-            fsync_dir(dir)?;
+        // The commit point: the rename into the step-N namespace. A committed copy of this step (a
+        // run resumed from an earlier step saves it again) is swapped out (`folder::replace`), so
+        // that a step-N is committed at every instant. An error up to the rename: nothing was
+        // committed; after it, a warning (the step is committed, and `resolve` finds it).
+        super::folder::replace(&tmp, &path)?;
+        if let Err(e) = fsync_dir(dir) {
+            eprintln!("warning: {name} is committed, but fsync of {} failed: {e:#}", dir.display());
         }
         Ok(())
     })?;

@@ -197,6 +197,10 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
             }
         }
     }
+    // The job's saves are over: its checkpoint folder is free for the next job.
+    if let (Some(dir), 0) = (&job.checkpoint.dir, ctx.rank()) {
+        crate::checkpoint::unlock_folder(dir);
+    }
     if let Some(p) = &job.save {
         let full = engine.full_parameters()?;
         if let Some(full) = full.filter(|_| ctx.rank() == 0) {

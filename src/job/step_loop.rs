@@ -123,6 +123,10 @@ impl GptJob {
                 }
             }
         }
+        // The job's saves are over: its checkpoint folder is free for the next job.
+        if let (Some(dir), 0) = (&self.checkpoint.dir, rank) {
+            crate::checkpoint::unlock_folder(dir);
+        }
         if let Some(p) = &self.save {
             // Sharded strategies hold pieces: every rank takes part in gathering the full weights.
             let full = dp.full_parameters()?;

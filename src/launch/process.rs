@@ -126,6 +126,16 @@ pub(super) fn run_processes<R: DeserializeOwned>(call: usize, opts: &SpawnOption
             Some(a) => cmd.args(a),
             None => cmd.args(std::env::args_os().skip(1)),
         };
+        // SAFETY: prctl between fork and exec (async-signal-safe): the rank gets SIGKILL when this
+        // thread — which waits for it below — or its process dies, so no rank outlives its driver.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         let child = cmd
             .env(ENV_CHILD, call.to_string())
             .env(ENV_RESULT, &res)
