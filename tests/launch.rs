@@ -110,6 +110,72 @@ fn slurm_node_lists_give_the_first_host() {
     assert_eq!(first_host(""), None);
 }
 
+/// Ranks that srun starts itself: the rank, world, local rank and master address from Slurm's
+/// variables; this node's task count from SLURM_STEP_TASKS_PER_NODE when `--ntasks-per-node` was
+/// not given (SLURM_NTASKS_PER_NODE is then unset, and the world size would be wrong: NCCL
+/// refuses it); the master from the step's node list, not the job's.
+#[test]
+fn srun_started_ranks_read_the_steps_layout() {
+    use shardlab::comm::{tasks_on_node, TcpInit};
+    use std::collections::BTreeMap;
+    assert_eq!(tasks_on_node("2(x3),1", 0), Some(2));
+    assert_eq!(tasks_on_node("2(x3),1", 2), Some(2));
+    assert_eq!(tasks_on_node("2(x3),1", 3), Some(1));
+    assert_eq!(tasks_on_node("2(x3),1", 4), None);
+    assert_eq!(tasks_on_node("8", 0), Some(8));
+    let init = |vars: &[(&str, &str)]| {
+        let m: BTreeMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        TcpInit::from_lookup(&|n| m.get(n).cloned()).unwrap()
+    };
+    let srun = [
+        ("SLURM_PROCID", "7"),
+        ("SLURM_NTASKS", "7"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_NODEID", "3"),
+        ("SLURM_STEP_TASKS_PER_NODE", "2(x3),1"),
+        ("SLURM_STEP_NODELIST", "gpu[03-06]"),
+        ("SLURM_JOB_NODELIST", "gpu[01-08]"),
+    ];
+    let i = init(&srun);
+    assert_eq!((i.rank, i.world_size, i.local_rank, i.local_world_size), (7, 7, 0, 1));
+    assert_eq!(i.master_addr, "gpu03", "the step's first node, not the job's");
+    assert_eq!(i.master_port, 29500);
+    let mut on_node_1 = srun.to_vec();
+    on_node_1[3] = ("SLURM_NODEID", "1");
+    assert_eq!(init(&on_node_1).local_world_size, 2);
+    // With --ntasks-per-node, and with the launcher's own variables: those win.
+    let per_node = [("SLURM_PROCID", "1"), ("SLURM_NTASKS", "8"), ("SLURM_NTASKS_PER_NODE", "4")];
+    assert_eq!(init(&per_node).local_world_size, 4);
+    let mut launched = srun.to_vec();
+    launched.extend([("LOCAL_WORLD_SIZE", "3"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "1234")]);
+    let i = init(&launched);
+    assert_eq!((i.local_world_size, i.master_addr.as_str(), i.master_port), (3, "10.0.0.1", 1234));
+}
+
+/// What `launch` tells each rank besides its place: GROUP_WORLD_SIZE (the nodes),
+/// TORCHELASTIC_RESTART_COUNT (0: it does not restart) and, unless set, OMP_NUM_THREADS (this
+/// machine's cores over its ranks), as torchrun sets them.
+#[test]
+fn launch_sets_torchruns_variables() {
+    let dir = std::env::temp_dir().join(format!("shardlab-launch-env-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!(
+        r#"echo "$GROUP_WORLD_SIZE $TORCHELASTIC_RESTART_COUNT $OMP_NUM_THREADS $LOCAL_WORLD_SIZE" > {}/env.$RANK"#,
+        dir.display()
+    );
+    let mut c = Command::new(LAUNCH);
+    clean(&mut c).env_remove("OMP_NUM_THREADS").args(["--nproc-per-node", "2", "--", "sh", "-c", &script]);
+    let out = c.output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    for r in 0..2 {
+        let got = std::fs::read_to_string(dir.join(format!("env.{r}"))).unwrap();
+        assert_eq!(got.trim(), format!("1 0 {} 2", (cores / 2).max(1)), "rank {r}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Whether process `pid` is gone (or a zombie nobody reaped: dead all the same).
 fn dead(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {

@@ -11,13 +11,14 @@
 //!   launch --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr 10.0.0.1 -- train --world-size 16 …
 //!
 //! Under Slurm (`srun --ntasks-per-node=1 launch --nproc-per-node 8 -- train …`) the node count,
-//! node rank and master address default to SLURM_NNODES, SLURM_NODEID and the first host of
-//! SLURM_JOB_NODELIST. (Or let srun start every rank itself, `--ntasks-per-node=8`, with
+//! node rank and master address default to SLURM_NNODES, SLURM_NODEID and the first host of the
+//! step's node list (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST). (Or let srun start every rank itself, `--ntasks-per-node=8`, with
 //! `SHARDLAB_LAUNCHER=srun` exported: the ranks read SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID.)
 //!
 //! Each rank process gets RANK (node_rank × nproc_per_node + local rank), WORLD_SIZE, LOCAL_RANK,
-//! LOCAL_WORLD_SIZE, GROUP_RANK (the node rank), MASTER_ADDR, MASTER_PORT, SHARDLAB_LAUNCHER and
-//! SHARDLAB_JOB_ID; the program's `spawn` then joins that group instead of starting processes.
+//! LOCAL_WORLD_SIZE, GROUP_RANK (the node rank), GROUP_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT (0),
+//! OMP_NUM_THREADS (unless set: the cores over the ranks of this machine), MASTER_ADDR,
+//! MASTER_PORT, SHARDLAB_LAUNCHER and SHARDLAB_JOB_ID; the program's `spawn` then joins that group instead of starting processes.
 //! When a rank fails, the others get `--grace-s` seconds to fail on their own (their collectives
 //! do), then SIGTERM (a chance to abort their communicators and flush), then SIGKILL after
 //! `--term-s`; the launcher exits with the first failure's code. SIGTERM or SIGINT to the
@@ -48,7 +49,7 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
     /// The address of node 0, where global rank 0 hosts the store [default: the first host of
-    /// SLURM_JOB_NODELIST, else 127.0.0.1].
+    /// SLURM_STEP_NODELIST or SLURM_JOB_NODELIST, else 127.0.0.1].
     #[arg(long)]
     master_addr: Option<String>,
     #[arg(long, default_value_t = 29500)]
@@ -117,7 +118,7 @@ fn main() -> anyhow::Result<()> {
         .master_addr
         .clone()
         .or_else(|| {
-            ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+            ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
                 .iter()
                 .find_map(|n| std::env::var(n).ok())
                 .and_then(|l| first_host(&l))
@@ -139,6 +140,8 @@ fn main() -> anyhow::Result<()> {
     let loopback =
         master_addr.parse::<std::net::IpAddr>().map(|ip| ip.is_loopback()).unwrap_or(master_addr == "localhost");
     let exe = program(&a.command[0]);
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let omp_threads = (cores / a.nproc_per_node).max(1);
     let mut children = Vec::new();
     for local in 0..a.nproc_per_node {
         let rank = node_rank * a.nproc_per_node + local;
@@ -150,6 +153,9 @@ fn main() -> anyhow::Result<()> {
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
             .env("GROUP_RANK", node_rank.to_string())
+            .env("GROUP_WORLD_SIZE", nnodes.to_string())
+            // No restarts from this launcher (`train --max-restarts` restarts inside the job).
+            .env("TORCHELASTIC_RESTART_COUNT", "0")
             .env("MASTER_ADDR", &master_addr)
             .env("MASTER_PORT", a.master_port.to_string())
             .env(ENV_LAUNCHER, "launch")
@@ -165,6 +171,11 @@ fn main() -> anyhow::Result<()> {
                 }
                 Ok(())
             });
+        }
+        if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            // As torchrun: ranks sharing a machine do not each take every core (it sets 1; we give
+            // each its share).
+            cmd.env("OMP_NUM_THREADS", omp_threads.to_string());
         }
         if rank == 0 && !loopback && std::env::var_os("SHARDLAB_STORE_BIND").is_none() {
             // Other machines must reach rank 0's store.

@@ -89,7 +89,7 @@ pub use error::{CommError, CommResult};
 pub use frame::OpKind;
 pub use group::ProcessGroup;
 pub use mesh::DeviceMesh;
-pub use rendezvous::{first_host, TcpInit};
+pub use rendezvous::{first_host, tasks_on_node, TcpInit};
 pub use work::{Work, WorkTiming};
 
 use std::sync::Mutex;

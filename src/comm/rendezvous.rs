@@ -40,55 +40,90 @@ impl TcpInit {
 
     /// Read RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE — as torchrun
     /// or the `launch` bin set them. Under Slurm (`srun`, one task per rank) the missing ones come
-    /// from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE, and MASTER_ADDR from
-    /// the first host of SLURM_JOB_NODELIST (or SLURM_NODELIST).
+    /// from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, this node's count in
+    /// SLURM_STEP_TASKS_PER_NODE (SLURM_NTASKS_PER_NODE is set only with `--ntasks-per-node`), and
+    /// MASTER_ADDR from the first host of the step's node list (SLURM_STEP_NODELIST, else the
+    /// job's).
     pub fn from_env() -> CommResult<Self> {
-        fn var<T: std::str::FromStr>(names: &[&str], default: Option<T>) -> CommResult<T> {
-            match names.iter().find_map(|n| std::env::var(n).ok().map(|v| (n, v))) {
-                Some((name, v)) => v
-                    .trim()
-                    .parse()
-                    .map_err(|_| CommError::InvalidArgument(format!("{name}={v:?} is not a valid number"))),
-                None => default.ok_or_else(|| {
-                    CommError::InvalidArgument(format!(
-                        "{} is not set (expected as torchrun, the launch bin or srun sets it)",
-                        names.join(" or ")
-                    ))
-                }),
-            }
-        }
+        Self::from_lookup(&|n| std::env::var(n).ok())
+    }
+
+    /// [`from_env`](Self::from_env) from `get` (a name → its value) instead of the environment.
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> CommResult<Self> {
+        let var = |names: &[&str], default: Option<usize>| -> CommResult<usize> { lookup_var(get, names, default) };
         let rank = var(&["RANK", "SLURM_PROCID"], None)?;
         let world_size = var(&["WORLD_SIZE", "SLURM_NTASKS"], None)?;
-        let master_addr = match std::env::var("MASTER_ADDR") {
-            Ok(a) => a,
-            Err(_) => ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+        let master_addr = match get("MASTER_ADDR") {
+            Some(a) => a,
+            None => ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
                 .iter()
-                .find_map(|n| std::env::var(n).ok())
+                .find_map(|n| get(n))
                 .and_then(|l| first_host(&l))
                 .unwrap_or_else(|| "127.0.0.1".into()),
+        };
+        let port = |names: &[&str], default: Option<u16>| -> CommResult<u16> {
+            lookup_var(get, names, default.map(usize::from)).and_then(|p| {
+                u16::try_from(p).map_err(|_| CommError::InvalidArgument(format!("port {p} is out of range")))
+            })
+        };
+        // torchrun's agent already hosts its own store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE):
+        // ours then listens one port up (or on SHARDLAB_STORE_PORT), the same on every rank.
+        let master_port = match (get("SHARDLAB_STORE_PORT"), get("TORCHELASTIC_USE_AGENT_STORE")) {
+            (Some(_), _) => port(&["SHARDLAB_STORE_PORT"], None)?,
+            (None, Some(v)) if v.eq_ignore_ascii_case("true") => port(&["MASTER_PORT"], Some(29500))?
+                .checked_add(1)
+                .ok_or_else(|| CommError::InvalidArgument("MASTER_PORT 65535 leaves no port for our store".into()))?,
+            _ => port(&["MASTER_PORT"], Some(29500))?,
+        };
+        let on_this_node = get("SLURM_STEP_TASKS_PER_NODE")
+            .zip(get("SLURM_NODEID").and_then(|v| v.trim().parse::<usize>().ok()))
+            .and_then(|(spec, node)| tasks_on_node(&spec, node));
+        let local_world_size = match (get("LOCAL_WORLD_SIZE"), on_this_node) {
+            (None, Some(n)) => n,
+            _ => var(&["LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"], Some(world_size))?,
         };
         Ok(TcpInit {
             rank,
             world_size,
             master_addr,
-            // torchrun's agent already hosts its own store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE):
-            // ours then listens one port up (or on SHARDLAB_STORE_PORT), the same on every rank.
-            master_port: match (
-                std::env::var("SHARDLAB_STORE_PORT").ok(),
-                std::env::var("TORCHELASTIC_USE_AGENT_STORE"),
-            ) {
-                (Some(_), _) => var(&["SHARDLAB_STORE_PORT"], None)?,
-                (None, Ok(v)) if v.eq_ignore_ascii_case("true") => {
-                    var::<u16>(&["MASTER_PORT"], Some(29500))?.checked_add(1).ok_or_else(|| {
-                        CommError::InvalidArgument("MASTER_PORT 65535 leaves no port for our store".into())
-                    })?
-                }
-                _ => var(&["MASTER_PORT"], Some(29500))?,
-            },
+            master_port,
             local_rank: var(&["LOCAL_RANK", "SLURM_LOCALID"], Some(rank))?,
-            local_world_size: var(&["LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"], Some(world_size))?,
+            local_world_size,
         })
     }
+}
+
+/// The first of `names` that `get` has, parsed, else `default` (or an error naming them).
+fn lookup_var(get: &dyn Fn(&str) -> Option<String>, names: &[&str], default: Option<usize>) -> CommResult<usize> {
+    match names.iter().find_map(|n| get(n).map(|v| (n, v))) {
+        Some((name, v)) => {
+            v.trim().parse().map_err(|_| CommError::InvalidArgument(format!("{name}={v:?} is not a valid number")))
+        }
+        None => default.ok_or_else(|| {
+            CommError::InvalidArgument(format!(
+                "{} is not set (expected as torchrun, the launch bin or srun sets it)",
+                names.join(" or ")
+            ))
+        }),
+    }
+}
+
+/// The tasks on node `node` of a Slurm step from SLURM_STEP_TASKS_PER_NODE's compressed form:
+/// `"4"`, `"2(x3),1"` (three nodes of 2, then one of 1).
+pub fn tasks_on_node(spec: &str, node: usize) -> Option<usize> {
+    let mut at = 0;
+    for part in spec.split(',') {
+        let part = part.trim();
+        let (n, times) = match part.split_once("(x") {
+            Some((n, t)) => (n.parse::<usize>().ok()?, t.strip_suffix(')')?.parse::<usize>().ok()?),
+            None => (part.parse::<usize>().ok()?, 1),
+        };
+        if node < at + times {
+            return Some(n);
+        }
+        at += times;
+    }
+    None
 }
 
 /// The rendezvous the tcp and nccl backends share: check the rank, settle the job's secret (into
