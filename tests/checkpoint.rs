@@ -258,6 +258,16 @@ fn a_failed_save_leaves_the_previous_checkpoint_intact() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Load `dir` into `s` on `n` ranks (the tiny GPT): each rank's error, if it refused.
+fn load_errors(dir: &Path, n: usize, s: S) -> Vec<Option<String>> {
+    let d = dir.to_path_buf();
+    spawn(n, Backend::Local, move |pg| {
+        let mut dp = wrap(pg, s, 1, Precision::Fp32)?;
+        Ok(checkpoint::load(&mut *dp, &mut opt(), &d).err().map(|e| format!("{e:#}")))
+    })
+    .unwrap()
+}
+
 /// Load `dir` on 2 ranks of ZeRO-3 (or of another model config): the error text of rank 0.
 fn load_error(dir: &Path, cfg: GptConfig) -> String {
     let d = dir.to_path_buf();
@@ -298,13 +308,9 @@ fn damaged_checkpoints_are_refused_with_errors_that_name_the_file() {
     let k = bytes.len() - 3;
     bytes[k] ^= 0x40;
     std::fs::write(&f, &bytes).unwrap();
-    let d2 = d.clone();
-    let out = spawn(2, Backend::Local, move |pg| {
-        // DDP at 2 ranks reads every piece whole: the checksum of the damaged one fails.
-        let mut dp = wrap(pg, S::Ddp, 1, Precision::Fp32)?;
-        Ok(checkpoint::load(&mut *dp, &mut opt(), &d2).err().map(|e| format!("{e:#}")))
-    })
-    .unwrap();
+    let flipped = d.clone();
+    // DDP at 2 ranks reads every piece whole: the checksum of the damaged one fails.
+    let out = load_errors(&flipped, 2, S::Ddp);
     let e = out[0].clone().expect("a flipped byte must be refused");
     assert!(e.contains("checksum") && e.contains("rank-00000.safetensors"), "{e}");
     // Part of a piece: a flipped byte in element 100 of rank 0's piece of wte (elements 0..1024),
@@ -319,21 +325,11 @@ fn damaged_checkpoints_are_refused_with_errors_that_name_the_file() {
     assert_eq!(entry["shape"][0], 1024, "DDP rank 0's half of wte");
     bytes[8 + head_len + entry["data_offsets"][0].as_u64().unwrap() as usize + 4 * 100 + 1] ^= 0x40;
     std::fs::write(&f, &bytes).unwrap();
-    let d2 = d.clone();
-    let out = spawn(3, Backend::Local, move |pg| {
-        let mut dp = wrap(pg, S::Ddp, 1, Precision::Fp32)?;
-        Ok(checkpoint::load(&mut *dp, &mut opt(), &d2).err().map(|e| format!("{e:#}")))
-    })
-    .unwrap();
+    let out = load_errors(&d, 3, S::Ddp);
     assert!(out.iter().all(|e| e.is_some()), "every rank refuses a partly read damaged piece: {out:?}");
     assert!(out[0].as_deref().is_some_and(|e| e.contains("do not match their checksum")), "{:?}", out[0]);
-    // The whole-piece flip resharded into ZeRO-3 on 3 ranks: refused too.
-    let d2 = d.clone();
-    let out = spawn(3, Backend::Local, move |pg| {
-        let mut dp = wrap(pg, S::Zero(Stage::Three), 1, Precision::Fp32)?;
-        Ok(checkpoint::load(&mut *dp, &mut opt(), &d2).err().map(|e| format!("{e:#}")))
-    })
-    .unwrap();
+    // The first flip resharded into ZeRO-3 on 3 ranks: refused too.
+    let out = load_errors(&flipped, 3, S::Zero(Stage::Three));
     assert!(out.iter().all(|e| e.is_some()), "every rank refuses: {out:?}");
     let named = out.iter().flatten().find(|e| e.contains("rank-00000.safetensors"));
     assert!(named.is_some_and(|e| e.contains("checksum")), "{out:?}");
