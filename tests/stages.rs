@@ -55,7 +55,11 @@ impl Model for Counting {
 fn single(policy: Checkpointing) -> (Vec<Vec<u32>>, Vec<usize>) {
     let calls = Arc::new((0..CFG.n_layer as usize + 2).map(|_| AtomicUsize::new(0)).collect::<Vec<_>>());
     let c = calls.clone();
-    let grads = spawn(1, Backend::Local, move |pg| {
+    // One libtorch thread, pinned: the test binary's other tests spawn several ranks, which sets
+    // the process's thread count to 1 while this one runs, and a reduction split over another
+    // number of threads adds in another order — not a difference checkpointing made.
+    let opts = SpawnOptions { threads_per_rank: Some(1), ..SpawnOptions::new(1, Backend::Local) };
+    let grads = spawn_with(opts, move |pg| {
         let m = Counting { gpt: Gpt::new(CFG, 1)?, calls: c.clone() };
         let mut dp = Single::new(pg, Box::new(m))?;
         dp.set_checkpointing(policy);
