@@ -157,7 +157,7 @@ fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
         assert_all_fail_fast(&res, took, "algo");
         if direct {
             // Shared memory: one rank reads its peers' buffers (direct) while the others send
-            // frames (ring) — and a p2p message sent ahead must not be mistaken for that.
+            // frames (ring).
             for n in [2, 3] {
                 let (res, took) = run(backend, n, TIMEOUT, |pg| {
                     let algo = if pg.rank() == 1 { Algo::Direct } else { Algo::Ring };
@@ -165,18 +165,70 @@ fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
                 });
                 assert_all_fail_fast(&res, took, "algo direct");
             }
-            let (res, _) = run(backend, 2, TIMEOUT, |pg| {
-                let mut t = f32s(100);
-                if pg.rank() == 0 {
-                    pg.send(&t, 1)?;
-                    pg.all_reduce(&mut f32s(1000), ReduceOp::Sum)
-                } else {
-                    pg.all_reduce(&mut f32s(1000), ReduceOp::Sum)?;
-                    pg.recv(&mut t, 0)
-                }
-            });
-            assert!(res.iter().all(|r| r.is_ok()), "a send ahead of a direct collective is legal: {res:?}");
         }
+    }
+}
+
+/// A message and a collective called in different orders on the two ranks of the message is a
+/// mismatch on every data path, whether the message fits the link (it would pass unchecked) or
+/// not (the sender would block in it while its peer waits in the collective: both hang). The
+/// right order passes, also where a broadcast's leaf finishes first and sends at once.
+#[test]
+fn send_and_collective_in_different_orders_fail_on_every_rank() {
+    for backend in SETUPS {
+        for n in [2, 3] {
+            // 100 floats fit every link; 1 Mi floats (4 MiB) fill a shared-memory ring (2 MiB)
+            // and the loopback socket's buffers.
+            for numel in [100, 1 << 20] {
+                let last = n - 1;
+                let (res, took) = run(backend, n, TIMEOUT, |pg| {
+                    let mut t = f32s(numel);
+                    if pg.rank() == 0 {
+                        pg.send(&t, last)?;
+                    }
+                    pg.all_reduce(&mut f32s(1000), ReduceOp::Sum)?;
+                    if pg.rank() == last {
+                        pg.recv(&mut t, 0)?;
+                    }
+                    Ok(())
+                });
+                println!("{backend:?} n={n} numel={numel}: send first on rank 0: {took:?} {res:?}");
+                assert_all_fail_fast(&res, took, "different orders");
+            }
+        }
+        // The other way round: the receiver enters the message first, the sender the collective.
+        let (res, took) = run(backend, 2, TIMEOUT, |pg| {
+            let mut t = f32s(100);
+            if pg.rank() == 1 {
+                pg.recv(&mut t, 0)?;
+            }
+            pg.all_reduce(&mut f32s(1000), ReduceOp::Sum)?;
+            if pg.rank() == 0 {
+                pg.send(&t, 1)?;
+            }
+            Ok(())
+        });
+        println!("{backend:?}: recv first on rank 1: {took:?} {res:?}");
+        assert_all_fail_fast(&res, took, "all_reduce");
+        // Right orders pass: a message between the same collectives on both ranks; rank 1, a
+        // leaf of the broadcast, sends as soon as its part is done.
+        let (res, _) = run(backend, 3, TIMEOUT, |pg| {
+            let mut t = f32s(1 << 20);
+            pg.all_reduce(&mut f32s(1000), ReduceOp::Sum)?;
+            match pg.rank() {
+                0 => pg.send(&t, 2)?,
+                2 => pg.recv(&mut t, 0)?,
+                _ => {}
+            }
+            pg.broadcast(&mut f32s(1000), 0)?;
+            match pg.rank() {
+                1 => pg.send(&t, 2)?,
+                2 => pg.recv(&mut t, 1)?,
+                _ => {}
+            }
+            pg.all_reduce(&mut f32s(1000), ReduceOp::Sum)
+        });
+        assert!(res.iter().all(|r| r.is_ok()), "{backend:?}: messages between the same collectives: {res:?}");
     }
 }
 

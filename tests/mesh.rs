@@ -220,3 +220,49 @@ fn a_dead_rank_fails_the_groups_it_is_in() {
     assert!(failed.contains(&3) && failed.contains(&1) && failed.contains(&2), "{text}");
     assert!(text.contains("rank 0: both its groups worked"), "rank 0 is in no group with rank 3: {text}");
 }
+
+/// Rank 3 of a 2 × 2 mesh gives up on its tp group ({2, 3}) and stays alive. Its other groups
+/// fail with it (the parent and its dp group {1, 3}), so its dp peer, rank 1, is told at once
+/// instead of waiting out the timeout; rank 1's groups fail in turn, which reaches rank 0,
+/// which shares no group with rank 3. Every rank's error names the first failure, in seconds.
+fn a_failed_group_fails_the_ranks_other_groups(backend: Backend, test: &str) {
+    let opts = SpawnOptions::new(4, backend).config(cfg()).child_args(child_args(test));
+    let e = spawn_with(opts, |pg| -> anyhow::Result<()> {
+        let mesh = DeviceMesh::new(pg, &[2, 2], &["dp", "tp"])?;
+        // Rank 3 gives up only once every rank has built the mesh (a token from each).
+        let r = pg.rank();
+        let token = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+        match r {
+            3 => (0..3).try_for_each(|p| pg.recv(&mut token.shallow_clone(), p))?,
+            _ => pg.send(&token, 3)?,
+        }
+        let t0 = Instant::now();
+        if r == 3 {
+            mesh.group("tp").abort("rank 3 gives up on tp");
+            std::thread::sleep(Duration::from_secs(6)); // alive, in no operation
+            anyhow::bail!("rank 3: slept");
+        }
+        // Rank 2 shares the failed group; rank 1 only dp {1, 3}; rank 0 neither.
+        let g = mesh.group(if r == 1 { "dp" } else { "tp" });
+        let err = sum(g, r as f64).expect_err("the operation must fail").to_string();
+        let took = t0.elapsed();
+        anyhow::ensure!(took < Duration::from_secs(4), "rank {r}: failed only after {took:?}: {err}");
+        anyhow::ensure!(err.contains("rank 3 gives up on tp"), "rank {r}: the first failure is not named: {err}");
+        anyhow::bail!("rank {r}: failed fast")
+    })
+    .unwrap_err();
+    let text = e.to_string();
+    for r in 0..3 {
+        assert!(text.contains(&format!("rank {r}: failed fast")), "rank {r}: {text}");
+    }
+}
+
+#[test]
+fn a_failed_group_fails_the_ranks_other_groups_local() {
+    a_failed_group_fails_the_ranks_other_groups(Backend::Local, "a_failed_group_fails_the_ranks_other_groups_local");
+}
+
+#[test]
+fn a_failed_group_fails_the_ranks_other_groups_tcp() {
+    a_failed_group_fails_the_ranks_other_groups(Backend::Tcp, "a_failed_group_fails_the_ranks_other_groups_tcp");
+}

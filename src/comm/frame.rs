@@ -66,6 +66,10 @@ pub struct OpDesc {
     pub reduce: Option<ReduceOp>,
     /// Algorithm code (see `Algo`), so ranks running different algorithms are caught too.
     pub algo: u8,
+    /// Send/recv: how many collectives of the group the rank had run before it (else 0). A
+    /// message must sit between the same collectives on both ranks; a message sent before a
+    /// collective and received after it is caught wherever it is seen first.
+    pub after: u64,
 }
 
 impl OpDesc {
@@ -73,7 +77,16 @@ impl OpDesc {
     /// runs), origin 0, no reduction, the naive algorithm. Set the other fields with struct
     /// update syntax: `OpDesc { origin: root as u32, ..OpDesc::new(..) }`.
     pub fn new(op: OpKind, dtype: DType, numel: usize) -> Self {
-        OpDesc { op, seq: 0, dtype, numel: numel as u64, origin: 0, reduce: None, algo: super::Algo::Naive as u8 }
+        OpDesc {
+            op,
+            seq: 0,
+            dtype,
+            numel: numel as u64,
+            origin: 0,
+            reduce: None,
+            algo: super::Algo::Naive as u8,
+            after: 0,
+        }
     }
 }
 
@@ -82,7 +95,7 @@ impl std::fmt::Display for OpDesc {
         write!(f, "{} #{} ({} × {}", self.op.name(), self.seq, self.numel, self.dtype.name())?;
         match self.op {
             OpKind::Broadcast => write!(f, ", root {}", self.origin)?,
-            OpKind::P2p => write!(f, ", from rank {}", self.origin)?,
+            OpKind::P2p => write!(f, ", from rank {}, after {} collectives", self.origin, self.after)?,
             _ => {}
         }
         if let Some(r) = self.reduce {
@@ -115,6 +128,7 @@ pub(crate) fn encode_header(kind: FrameKind, d: &OpDesc, len: usize) -> [u8; HEA
     h[24..28].copy_from_slice(&d.origin.to_le_bytes());
     h[28] = d.algo;
     h[32..40].copy_from_slice(&(len as u64).to_le_bytes());
+    h[40..48].copy_from_slice(&d.after.to_le_bytes());
     h
 }
 
@@ -148,13 +162,14 @@ pub(crate) fn decode_header(h: &[u8; HEADER_LEN]) -> CommResult<(FrameKind, OpDe
         origin: u32::from_le_bytes(h[24..28].try_into().unwrap()),
         reduce: ReduceOp::from_u8(h[7]),
         algo: h[28],
+        after: u64::from_le_bytes(h[40..48].try_into().unwrap()),
     };
     Ok((kind, desc, len as usize))
 }
 
 /// The description Abort and Leave frames carry (nothing).
 pub(crate) const NO_DESC: OpDesc =
-    OpDesc { op: OpKind::Barrier, seq: 0, dtype: DType::F32, numel: 0, origin: 0, reduce: None, algo: 0 };
+    OpDesc { op: OpKind::Barrier, seq: 0, dtype: DType::F32, numel: 0, origin: 0, reduce: None, algo: 0, after: 0 };
 
 /// A received payload in a recycled, 8-byte aligned buffer.
 pub(crate) struct Buf {

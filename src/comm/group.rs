@@ -9,6 +9,7 @@ use super::backend::{CommBackend, CommStats, Pending};
 use super::config::{Backend, CommConfig};
 use super::dtype::ReduceOp;
 use super::error::{CommError, CommResult};
+use super::family::Family;
 use super::frame::OpKind;
 use super::store::StoreServer;
 use super::work::{Work, Worker};
@@ -22,6 +23,8 @@ use tch::{Device, Tensor};
 pub struct ProcessGroup {
     backend: Arc<dyn CommBackend>,
     worker: Worker,
+    /// This rank's groups: the one made by rendezvous and its subgroups, which fail together.
+    family: Arc<Family>,
     kind: Backend,
     cfg: CommConfig,
     local_rank: usize,
@@ -45,10 +48,13 @@ impl ProcessGroup {
         (local_rank, local_world_size): (usize, usize),
         store: Option<StoreServer>,
     ) -> Self {
-        let worker = Worker::new(backend.clone());
+        let family = Family::new(backend.rank());
+        family.join(&backend);
+        let worker = Worker::new(backend.clone(), family.clone());
         ProcessGroup {
             backend,
             worker,
+            family,
             kind,
             cfg,
             local_rank,
@@ -93,9 +99,23 @@ impl ProcessGroup {
         self.backend.resolve(op, algo)
     }
 
-    /// Tell every rank about a call-time error: it is this call's error on every rank.
+    /// Make this group (new, no operation run yet) one of `family`'s: a subgroup fails with
+    /// the group it was split from (`family.rs`).
+    pub(super) fn in_family(mut self, family: &Arc<Family>) -> Self {
+        family.join(&self.backend);
+        self.worker = Worker::new(self.backend.clone(), family.clone());
+        self.family = family.clone();
+        self
+    }
+    pub(super) fn family(&self) -> &Arc<Family> {
+        &self.family
+    }
+
+    /// Tell every rank about a call-time error: it is this call's error on every rank (and
+    /// this rank's other groups fail too).
     fn fail(&self, e: CommError) -> CommError {
         self.backend.abort(&e);
+        self.family.fire(&e);
         e
     }
     /// Run what the backend made of a blocking call: its call-time error (after aborting the
@@ -131,9 +151,10 @@ impl ProcessGroup {
         self.barrier()
     }
 
-    /// Give up on the group: every rank's next (or current) operation fails with `reason`.
+    /// Give up on the group: every rank's next (or current) operation fails with `reason`, in
+    /// this group and in this rank's other groups (the one it was split from, its subgroups).
     pub fn abort(&self, reason: &str) {
-        self.backend.abort(&CommError::Aborted { by: self.rank(), reason: reason.to_string() });
+        self.fail(CommError::Aborted { by: self.rank(), reason: reason.to_string() });
     }
 
     /// Send `t` to rank `dst`, which must call [`recv`](Self::recv) with a tensor of the same

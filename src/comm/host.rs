@@ -18,7 +18,7 @@ use super::dtype::{DType, ReduceOp, TensorBytes};
 use super::error::{CommError, CommResult};
 use super::frame::{BufPool, OpDesc, OpKind};
 use super::relock;
-use super::transport::Transport;
+use super::transport::{message_first_error, sent_before, Transport};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -166,7 +166,8 @@ impl Host {
         if let Some(e) = self.t.poisoned() {
             return Err(e);
         }
-        let desc = OpDesc { seq: seq.next(&desc, peer, self.rank), ..desc };
+        let after = if desc.op == OpKind::P2p { seq.collectives } else { 0 };
+        let desc = OpDesc { seq: seq.next(&desc, peer, self.rank), after, ..desc };
         let es = desc.dtype.size();
         let ctx = Ctx {
             t: &*self.t,
@@ -180,7 +181,8 @@ impl Host {
         };
         // A panic inside an operation (a bug) must not leave the peers waiting or a half-written
         // frame behind: it becomes this operation's error, and the group is aborted.
-        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx))).unwrap_or_else(|_| {
+        let run = || self.message_first(&desc).map_or_else(|| body(&ctx), Err);
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|_| {
             Err(CommError::Io(format!("rank {}: {} panicked inside the communication layer", self.rank, desc)))
         });
         if res.is_ok() {
@@ -192,6 +194,20 @@ impl Host {
             Ok(()) => _ = self.counters.collectives.fetch_add(1, Ordering::Relaxed),
         }
         res
+    }
+}
+
+impl Host {
+    /// A collective that starts while a peer's point-to-point message, sent before the peer
+    /// entered this collective, waits unread: this rank receives it after — the ranks called
+    /// send/recv and collectives in different orders. (Unchecked, the message would pass on some
+    /// data paths and hang both ranks on others, where it does not fit the link.)
+    fn message_first(&self, desc: &OpDesc) -> Option<CommError> {
+        if desc.op == OpKind::P2p {
+            return None;
+        }
+        let (p, theirs) = self.t.first_message().filter(|(_, m)| sent_before(m, desc))?;
+        Some(message_first_error(self.rank, desc, p, &theirs))
     }
 }
 

@@ -7,7 +7,7 @@
 //! peer A still learns at once that peer B died.
 
 use super::error::{CommError, CommResult};
-use super::frame::{Buf, BufPool, OpDesc};
+use super::frame::{Buf, BufPool, OpDesc, OpKind};
 use super::transport::{check_frame, stray_error, Recv, Transport};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -25,13 +25,15 @@ enum Msg {
 struct Inbox {
     tx: Vec<Sender<Msg>>,
     rx: Vec<Receiver<Msg>>,
+    /// A message taken off a sender's queue only to look at it (`first_message`), read first.
+    front: Vec<Mutex<Option<Msg>>>,
     poison: Mutex<Option<CommError>>,
 }
 
 impl Inbox {
     fn new(world_size: usize) -> Self {
         let (tx, rx) = (0..world_size).map(|_| crossbeam_channel::unbounded()).unzip();
-        Inbox { tx, rx, poison: Mutex::new(None) }
+        Inbox { tx, rx, front: (0..world_size).map(|_| Mutex::new(None)).collect(), poison: Mutex::new(None) }
     }
     fn poison(&self, err: CommError) {
         let mut p = super::relock(&self.poison);
@@ -52,7 +54,8 @@ impl Inbox {
             if let Some(e) = self.poisoned() {
                 return Err(e);
             }
-            match self.rx[peer].recv_deadline(deadline) {
+            let front = super::relock(&self.front[peer]).take();
+            match front.map_or_else(|| self.rx[peer].recv_deadline(deadline), Ok) {
                 Ok(Msg::Frame(d, b)) => return Ok((d, b)),
                 Ok(Msg::Wake) => continue,
                 Ok(Msg::Left) => {
@@ -169,12 +172,30 @@ impl Transport for LocalTransport {
             }
         }
     }
+    fn first_message_but(&self, skip: Option<usize>) -> Option<(usize, OpDesc)> {
+        let inbox = &self.inboxes[self.rank];
+        (0..inbox.rx.len()).filter(|&p| p != self.rank && Some(p) != skip).find_map(|p| {
+            let mut front = super::relock(&inbox.front[p]);
+            while front.is_none() {
+                match inbox.rx[p].try_recv() {
+                    Ok(Msg::Wake) => {}
+                    Ok(m) => *front = Some(m),
+                    Err(_) => break,
+                }
+            }
+            match &*front {
+                Some(Msg::Frame(d, _)) if d.op == OpKind::P2p => Some((p, *d)),
+                _ => None,
+            }
+        })
+    }
     fn stray(&self, next: &OpDesc) -> Option<CommError> {
         let inbox = &self.inboxes[self.rank];
         for (p, rx) in inbox.rx.iter().enumerate() {
             let mut keep = Vec::new();
             let mut found = None;
-            while let Ok(m) = rx.try_recv() {
+            let mut front = super::relock(&inbox.front[p]).take();
+            while let Some(m) = front.take().or_else(|| rx.try_recv().ok()) {
                 match m {
                     Msg::Frame(d, _) if d != *next => found = Some(stray_error(self.rank, p, Some(&d), next)),
                     Msg::Wake => {}

@@ -50,6 +50,7 @@
 //! |---|---|
 //! | `group.rs` | [`ProcessGroup`]: the public API, shared argument checks |
 //! | `work.rs` | [`Work`], [`WorkTiming`], the communication thread |
+//! | `family.rs` | a rank's groups fail together (a subgroup's failure aborts its parent and siblings) |
 //! | `backend.rs` | [`CommBackend`]: the seam a backend (host today, NCCL later) fills; [`Pending`], [`CommStats`] |
 //! | `host.rs` | the host backend: tensor checks, sequence numbers, dispatch to algorithms |
 //! | `algo/` | the host algorithms: `naive`, `ring`, `tree`, `direct` |
@@ -67,6 +68,7 @@ mod backend;
 mod config;
 pub mod dtype;
 pub mod error;
+mod family;
 pub(crate) mod frame;
 mod group;
 mod host;

@@ -18,16 +18,16 @@
 //! * **nccl**: rank 0 of the group makes an NCCL unique id, the second all-gather hands it out,
 //!   and each member joins a new NCCL communicator on its GPU (not yet run on a GPU).
 //!
-//! A rank that dies closes every connection it has, so it fails every group it is in; an error in
-//! one group does not abort the others (as in PyTorch, where each process group has its own
-//! watchdog): a job that cannot go on fails on its next operation in any of them.
+//! A rank that dies closes every connection it has, so it fails every group it is in. A rank
+//! whose group fails while it lives on aborts its other groups too (`family.rs`: the group it was
+//! split from and every subgroup of that), so each tells its own peers at once and the failure
+//! spreads through the mesh instead of leaving some peers waiting out their timeout.
 //!
 //! Arguments are checked collectively: a bad color, key, rank list or mesh on any rank is an error
 //! on every rank, and a group's rank 0 that cannot open its store (or make its NCCL id) publishes
 //! why, so no member waits for it. Not yet: `spawn` runs the end-of-job checks
 //! ([`ProcessGroup::finish`]) on the parent only — call a subgroup's `finish` yourself where stray
-//! data matters — and a parent's abort does not reach its subgroups (each fails on its own, at the
-//! latest on its timeout). A member that fails between the two all-gathers leaves its peers
+//! data matters. A member that fails between the two all-gathers leaves its peers
 //! waiting in the subgroup's rendezvous until its timeout.
 
 use super::config::Backend;
@@ -118,7 +118,8 @@ impl ProcessGroup {
                 let cfg = self.config().clone();
                 let host = Arc::new(HostBackend::new(Box::new(t), &cfg));
                 let mut pg =
-                    ProcessGroup::new(host, Backend::Local, cfg, (self.local_rank(), self.local_world_size()), None);
+                    ProcessGroup::new(host, Backend::Local, cfg, (self.local_rank(), self.local_world_size()), None)
+                        .in_family(self.family());
                 pg.uid = mix(self.uid, split, color); // the same on every member
                                                       // Every member's end exists once the world is built: nothing to wait for.
                 Ok(Some(pg))
@@ -233,7 +234,8 @@ impl ProcessGroup {
         let t = TcpTransport::connect(new_rank, members.len(), &mut client, ip, &cfg)?;
         let host = Arc::new(HostBackend::new(Box::new(t), &cfg));
         let mut pg =
-            ProcessGroup::new(host.clone(), Backend::Tcp, cfg, (self.local_rank(), self.local_world_size()), server);
+            ProcessGroup::new(host.clone(), Backend::Tcp, cfg, (self.local_rank(), self.local_world_size()), server)
+                .in_family(self.family());
         pg.data_ip = Some(ip);
         pg.barrier()?;
         host.group_formed();
@@ -263,7 +265,8 @@ impl ProcessGroup {
             cfg,
             (self.local_rank(), self.local_world_size()),
             None,
-        );
+        )
+        .in_family(self.family());
         pg.barrier()?;
         Ok(Some(pg))
     }

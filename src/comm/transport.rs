@@ -6,7 +6,7 @@
 //! NCCL, sits above this layer: see [`CommBackend`](super::CommBackend).)
 
 use super::error::{CommError, CommResult};
-use super::frame::OpDesc;
+use super::frame::{OpDesc, OpKind};
 use std::time::Duration;
 
 /// Called with each piece of received data: `(offset into the message, bytes)`. Offsets and
@@ -50,6 +50,14 @@ pub(crate) trait Transport: Send + Sync {
     /// rank has finished sending): the ranks ran different sequences of operations. Frames of
     /// `next` (the closing barrier, which fast peers may already have entered) are not stray.
     fn stray(&self, next: &OpDesc) -> Option<CommError>;
+    /// A peer whose next unread frame is a point-to-point message it sent (and its description),
+    /// looked at without waiting or consuming anything. Only for links at a frame boundary:
+    /// between operations, or a peer the running operation does not read from.
+    fn first_message(&self) -> Option<(usize, OpDesc)> {
+        self.first_message_but(None)
+    }
+    /// [`first_message`](Transport::first_message), not looking at `skip`'s link.
+    fn first_message_but(&self, skip: Option<usize>) -> Option<(usize, OpDesc)>;
     /// Every rank has joined (after rendezvous' barrier): drop what only joining needed.
     fn group_formed(&self) {}
     /// How data moves ("local", "tcp", "shm", "shm+tcp").
@@ -87,6 +95,20 @@ pub(crate) fn stray_error(me: usize, peer: usize, theirs: Option<&OpDesc>, at: &
     ))
 }
 
+/// Whether message `m` was sent before its sender entered collective `c` (it had run fewer
+/// collectives than `c`'s number then; `c.seq` counts the collectives before `c`).
+pub(crate) fn sent_before(m: &OpDesc, c: &OpDesc) -> bool {
+    m.op == OpKind::P2p && m.after <= c.seq
+}
+
+/// The error of a collective that finds a point-to-point message of peer `p` waiting first.
+pub(crate) fn message_first_error(me: usize, desc: &OpDesc, p: usize, theirs: &OpDesc) -> CommError {
+    CommError::Mismatch(format!(
+        "rank {me} is running {desc} but rank {p} sent it a message first ({theirs}) that rank {me} has not received: \
+         the ranks called send/recv and collectives in different orders"
+    ))
+}
+
 /// Check an incoming frame against what this rank runs; `room` = bytes still expected.
 pub(crate) fn check_frame(
     me: usize,
@@ -96,6 +118,22 @@ pub(crate) fn check_frame(
     len: usize,
     room: usize,
 ) -> CommResult<()> {
+    if theirs.op == OpKind::P2p && theirs.after != mine.after && *theirs == (OpDesc { after: theirs.after, ..*mine }) {
+        return Err(CommError::Mismatch(format!(
+            "rank {peer} sent message #{} after {} collectives of the group, rank {me} receives it after {}: \
+             the ranks called send/recv and collectives in different orders",
+            mine.seq, theirs.after, mine.after
+        )));
+    }
+    if theirs.op == OpKind::P2p && mine.op != OpKind::P2p {
+        return Err(message_first_error(me, mine, peer, theirs));
+    }
+    if mine.op == OpKind::P2p && theirs.op != OpKind::P2p {
+        return Err(CommError::Mismatch(format!(
+            "rank {me} waits for {mine} but rank {peer} sent data for {theirs} first: \
+             the ranks called send/recv and collectives in different orders"
+        )));
+    }
     if theirs != mine {
         return Err(CommError::Mismatch(format!("rank {me} is running {mine} but rank {peer} sent data for {theirs}")));
     }

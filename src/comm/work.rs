@@ -4,6 +4,7 @@
 
 use super::backend::{CommBackend, InFlight, Op, Pending};
 use super::error::{CommError, CommResult};
+use super::family::Family;
 use super::relock;
 use crossbeam_channel::{Receiver, Sender};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -79,38 +80,59 @@ impl<T> Work<T> {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// An operation the backend runs by itself, whose failure aborts the rank's other groups.
+struct Watched {
+    op: Box<dyn InFlight>,
+    family: Arc<Family>,
+}
+
+impl InFlight for Watched {
+    fn is_done(&self) -> bool {
+        self.op.is_done()
+    }
+    fn wait(self: Box<Self>) -> CommResult<()> {
+        self.op.wait().inspect_err(|e| self.family.fire(e))
+    }
+}
+
 /// The communication thread of one rank's group, started by the first `*_async` call.
 pub(crate) struct Worker {
     backend: Arc<dyn CommBackend>,
+    /// The rank's groups, aborted when an operation of this one fails.
+    family: Arc<Family>,
     thread: Mutex<Option<(Sender<Job>, JoinHandle<()>)>>,
     /// Operations queued and not finished yet.
     queued: Arc<AtomicUsize>,
 }
 
 impl Worker {
-    pub fn new(backend: Arc<dyn CommBackend>) -> Self {
-        Worker { backend, thread: Mutex::new(None), queued: Arc::new(AtomicUsize::new(0)) }
+    pub fn new(backend: Arc<dyn CommBackend>, family: Arc<Family>) -> Self {
+        Worker { backend, family, thread: Mutex::new(None), queued: Arc::new(AtomicUsize::new(0)) }
     }
 
     /// Run `op` for a blocking call: in order after the operations already queued by `*_async`
     /// calls (inline on this thread when there are none).
     pub fn run(&self, op: Pending) -> CommResult<()> {
-        match op.0 {
+        let r = match op.0 {
             Op::Deferred(f) if self.queued.load(Ordering::SeqCst) == 0 => f(),
             Op::InFlight(op) => op.wait(),
             op => self.submit(Pending(op), ()).wait(),
-        }
+        };
+        r.inspect_err(|e| self.family.fire(e))
     }
 
     /// Queue `op` on the communication thread; `out` is handed back by [`Work::wait`].
     pub fn submit<T>(&self, op: Pending, out: T) -> Work<T> {
         let f = match op.0 {
-            Op::InFlight(op) => return Work { done: Done::InFlight(op, Instant::now()), out, after: None },
+            Op::InFlight(op) => {
+                let op = Box::new(Watched { op, family: self.family.clone() });
+                return Work { done: Done::InFlight(op, Instant::now()), out, after: None };
+            }
             Op::Deferred(f) => f,
         };
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.queued.fetch_add(1, Ordering::SeqCst);
-        let (backend, queued) = (self.backend.clone(), self.queued.clone());
+        let (backend, queued, family) = (self.backend.clone(), self.queued.clone(), self.family.clone());
         let job: Job = Box::new(move || {
             let started = Instant::now();
             // A panic inside an operation must not kill the communication thread silently:
@@ -120,6 +142,9 @@ impl Worker {
                 backend.abort(&e);
                 Err(e)
             });
+            if let Err(e) = &r {
+                family.fire(e);
+            }
             queued.fetch_sub(1, Ordering::SeqCst);
             let _ = tx.send((r, started, Instant::now()));
         });
@@ -156,7 +181,7 @@ mod tests {
 
     fn worker() -> Worker {
         let t = local::local_world(1).pop().unwrap();
-        Worker::new(Arc::new(HostBackend::new(Box::new(t), &CommConfig::default())))
+        Worker::new(Arc::new(HostBackend::new(Box::new(t), &CommConfig::default())), Family::new(0))
     }
 
     /// A natively asynchronous operation that finishes when the test says so.

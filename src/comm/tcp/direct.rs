@@ -68,8 +68,8 @@ impl Exchange for TcpTransport {
                 return Err(err);
             }
             // A late peer that said goodbye will never publish; one that sends frames for this
-            // collective runs another algorithm. (Frames of a point-to-point message it sent ahead
-            // are fine: they wait for their recv.)
+            // collective runs another algorithm, and one whose message comes first sent it
+            // before this collective.
             for &p in late.iter().filter(|&&p| p != self.rank) {
                 if self.has_left(p) {
                     return Err(self.set_poison(CommError::PeerLeft { peer: p, during: desc.to_string() }));
@@ -85,6 +85,11 @@ impl Exchange for TcpTransport {
                                 "rank {} is running {desc} but rank {p} sent data for {theirs}",
                                 self.rank
                             )));
+                        }
+                        // A message its sender sent before this collective (one too big for the
+                        // link would block the sender there for good).
+                        Ok((FrameKind::Data, theirs, _)) if crate::comm::transport::sent_before(&theirs, desc) => {
+                            return Err(crate::comm::transport::message_first_error(self.rank, desc, p, &theirs));
                         }
                         _ => {}
                     }
@@ -124,9 +129,27 @@ impl TcpTransport {
     /// runs a `Direct` algorithm where we run a frame algorithm. (A peer may legitimately be
     /// one step ahead in a *later* collective, and point-to-point calls are not ordered with
     /// collectives.)
-    pub(super) fn peer_ahead_in_exchange(&self, desc: &OpDesc) -> Option<CommError> {
-        let segs = self.direct.as_ref().filter(|_| desc.op != OpKind::P2p)?;
+    ///
+    /// Receiving a message (`desc` a send/recv from `from`): a sender that has published a step
+    /// of a collective and left nothing in the link entered that collective before sending the
+    /// rest of the message, which it will not do until this rank joins the collective too.
+    pub(super) fn peer_ahead_in_exchange(&self, desc: &OpDesc, from: Option<usize>) -> Option<CommError> {
+        let segs = self.direct.as_ref()?;
         let mine = segs[self.rank].epoch().load(Ordering::Relaxed);
+        if desc.op == OpKind::P2p {
+            let p = from?;
+            if segs[p].epoch().load(Ordering::Acquire) <= mine || self.peer(p).data.peek(&mut [0u8; 1]) > 0 {
+                return None;
+            }
+            let mut h = [0u8; HEADER_LEN];
+            unsafe { std::ptr::copy_nonoverlapping(segs[p].op_slot(mine + 1), h.as_mut_ptr(), HEADER_LEN) };
+            let theirs = frame::decode_header(&h).map(|(_, d, _)| d.to_string()).unwrap_or_else(|_| "?".into());
+            return Some(CommError::Mismatch(format!(
+                "rank {} waits for {desc} but rank {p} entered a collective first ({theirs}): \
+                 the ranks called send/recv and collectives in different orders",
+                self.rank
+            )));
+        }
         for (p, s) in segs.iter().enumerate() {
             if s.epoch().load(Ordering::Acquire) <= mine {
                 continue;

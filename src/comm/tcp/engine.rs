@@ -15,6 +15,7 @@ use super::super::frame::{self, FrameKind, OpDesc, OpKind, HEADER_LEN};
 use super::super::relock;
 use super::super::transport::Transport;
 use super::super::transport::{check_frame, Recv};
+use super::super::transport::{message_first_error, sent_before};
 use super::TcpTransport;
 use std::io::{ErrorKind, IoSlice};
 use std::os::fd::AsRawFd;
@@ -88,6 +89,7 @@ impl TcpTransport {
         let mut deadline = Instant::now() + timeout;
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
         let mut watched: Vec<usize> = Vec::with_capacity(self.world);
+        let mut last_look = Instant::now();
         loop {
             if let Some(e) = self.poisoned() {
                 return Err(e);
@@ -161,8 +163,17 @@ impl TcpTransport {
                     }
                 }
             }
-            if let Some(e) = self.peer_ahead_in_exchange(desc) {
+            if let Some(e) = self.peer_ahead_in_exchange(desc, want_in) {
                 return Err(self.set_poison(e));
+            }
+            // Stalled in a collective: a peer may be stuck sending us a message it sent before
+            // this collective, which we would read only after it (a look every 50 ms at most).
+            if desc.op != OpKind::P2p && last_look.elapsed() >= Duration::from_millis(50) {
+                last_look = Instant::now();
+                let early = self.first_message_but(want_in).filter(|(_, m)| sent_before(m, desc));
+                if let Some((p, m)) = early {
+                    return Err(self.set_poison(message_first_error(self.rank, desc, p, &m)));
+                }
             }
             if let (true, 0, Some(seg), Some(bell)) = (on_shm, data_fds, &self.shm, bell) {
                 seg.wait(bell, (deadline - now).min(Duration::from_millis(20)));

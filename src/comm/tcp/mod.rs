@@ -20,7 +20,7 @@ mod shm;
 
 use super::config::{CommConfig, DataPath, Fault};
 use super::error::{CommError, CommResult};
-use super::frame::{self, FrameKind, OpDesc, HEADER_LEN};
+use super::frame::{self, FrameKind, OpDesc, OpKind, HEADER_LEN};
 use super::relock;
 use super::store::StoreClient;
 use super::transport::{stray_error, Recv, Transport};
@@ -347,6 +347,16 @@ impl Transport for TcpTransport {
             (_, 0) => "shm",
             _ => "shm+tcp",
         }
+    }
+    fn first_message_but(&self, skip: Option<usize>) -> Option<(usize, OpDesc)> {
+        self.peers.iter().enumerate().filter(|(p, _)| Some(*p) != skip).find_map(|(p, peer)| {
+            let mut h = [0u8; HEADER_LEN];
+            (peer.as_ref()?.data.peek(&mut h) == HEADER_LEN).then_some(())?;
+            match frame::decode_header(&h) {
+                Ok((FrameKind::Data, d, _)) if d.op == OpKind::P2p => Some((p, d)),
+                _ => None,
+            }
+        })
     }
     fn stray(&self, next: &OpDesc) -> Option<CommError> {
         for (p, peer) in self.peers.iter().enumerate() {

@@ -1,0 +1,60 @@
+//! The groups of one rank fail together. A rank's first group and every subgroup made from it
+//! ([`ProcessGroup::split`](super::ProcessGroup::split), a [`DeviceMesh`](super::DeviceMesh)'s
+//! rows and columns) form a *family*: the first group of the family to fail — its own error, a
+//! bad argument, a peer's abort, [`ProcessGroup::abort`](super::ProcessGroup::abort) — aborts
+//! every other, so each of them tells its own peers at once.
+//!
+//! Without it, a rank that fails its tensor-parallel group and stays alive (catching the error,
+//! or stuck elsewhere) would leave its data-parallel peers waiting for it the whole timeout: they
+//! share no connection with the group that failed. With it, the failure spreads through the
+//! mesh in one hop per group: the dp peers' groups fail, then theirs.
+//!
+//! This is what PyTorch gets by tearing the process down when one process group's watchdog sees
+//! an error; here the process lives on and every group's next (or current) operation returns the
+//! error.
+
+use super::backend::CommBackend;
+use super::error::CommError;
+use super::relock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+/// The groups of one rank (weakly held: a dropped group leaves).
+pub(crate) struct Family {
+    /// This rank's rank in the family's first group (named in the error the others get).
+    rank: usize,
+    members: Mutex<Vec<Weak<dyn CommBackend>>>,
+    fired: AtomicBool,
+}
+
+impl Family {
+    pub fn new(rank: usize) -> Arc<Self> {
+        Arc::new(Family { rank, members: Mutex::new(Vec::new()), fired: AtomicBool::new(false) })
+    }
+
+    /// `group` is one of this rank's groups.
+    pub fn join(&self, group: &Arc<dyn CommBackend>) {
+        let mut m = relock(&self.members);
+        m.retain(|w| w.strong_count() > 0);
+        m.push(Arc::downgrade(group));
+    }
+
+    /// A group of the family failed with `err`: abort every other group (once; later failures
+    /// find them aborted already).
+    pub fn fire(&self, err: &CommError) {
+        if self.fired.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let live: Vec<Arc<dyn CommBackend>> = relock(&self.members).iter().filter_map(Weak::upgrade).collect();
+        for g in live.into_iter().filter(|g| g.poisoned().is_none()) {
+            let reason = format!("another group of rank {} of the job failed: {err}", self.rank);
+            g.abort(&CommError::Aborted { by: g.rank(), reason });
+        }
+    }
+
+    /// Whether a group of the family failed.
+    #[cfg(test)]
+    pub fn fired(&self) -> bool {
+        self.fired.load(Ordering::SeqCst)
+    }
+}
