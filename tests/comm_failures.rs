@@ -146,9 +146,10 @@ fn mismatched_sizes_dtypes_order_and_roots_fail_on_every_rank() {
             took,
             if direct { "runs broadcast #1 (10 × f32, root 1" } else { "sent data for broadcast #" },
         );
-        // A message nobody receives (rank 1 → rank 2) is caught by the end-of-job check.
+        // A message nobody receives (rank 1 → rank 2) is caught by the end-of-job check (its
+        // first barrier finds it waiting: "rank 1 sent it a message first").
         let (res, took) = run(backend, 3, TIMEOUT, |pg| if pg.rank() == 1 { pg.send(&f32s(10), 2) } else { Ok(()) });
-        assert_all_fail_fast(&res, took, "unread data from rank 1");
+        assert_all_fail_fast(&res, took, "send/recv #0 (10 × f32, from rank 1");
         // Algorithm: rank 0 runs naive, the others ring.
         let (res, took) = run(backend, 2, TIMEOUT, |pg| {
             let algo = if pg.rank() == 0 { Algo::Naive } else { Algo::Ring };
@@ -424,12 +425,22 @@ fn store_rejects_strangers_other_jobs_and_garbage() {
     assert_eq!(c.add("n", 3).unwrap(), 5);
 }
 
+/// Ranks started by hand (torchrun's variables, no `SHARDLAB_SECRET`) on one machine: rank 0
+/// draws a fresh secret for the run and leaves it in a private file for the others, removed once
+/// the group has formed — not one derived from the job id, which anyone who knows the id could
+/// compute. Ranks that do not share the file (another runtime directory) fail with a message
+/// saying what to export.
 #[test]
 fn env_init_reads_torchrun_variables() {
     // Exercised through a child process so the test harness's own environment stays clean.
-    let port = shardlab::launch::free_port().unwrap();
     let exe = std::env::current_exe().unwrap();
-    let child = |rank: usize| {
+    let runtime = |tag: &str| {
+        let d = std::env::temp_dir().join(format!("shardlab-xdg-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    };
+    let (shared, elsewhere) = (runtime("a"), runtime("b"));
+    let child = |rank: usize, port: u16, xdg: &std::path::Path| {
         std::process::Command::new(&exe)
             .args(["--exact", "env_init_child", "--ignored", "--nocapture", "--test-threads=1"])
             .env("RANK", rank.to_string())
@@ -439,22 +450,48 @@ fn env_init_reads_torchrun_variables() {
             .env("LOCAL_RANK", rank.to_string())
             .env("SHARDLAB_JOB_ID", "env-test")
             .env("SHARDLAB_TEST_CHILD", "1")
+            .env("SHARDLAB_RDZV_TIMEOUT_S", "3")
+            .env("XDG_RUNTIME_DIR", xdg)
+            .env_remove("SHARDLAB_SECRET")
             .output()
             .unwrap()
     };
-    let (a, b) = std::thread::scope(|s| {
-        let a = s.spawn(|| child(0));
-        let b = s.spawn(|| child(1));
-        (a.join().unwrap(), b.join().unwrap())
-    });
-    for (r, o) in [a, b].iter().enumerate() {
+    let pair = |dirs: [&std::path::Path; 2]| {
+        let port = shardlab::launch::free_port().unwrap();
+        std::thread::scope(|s| {
+            let a = s.spawn(|| child(0, port, dirs[0]));
+            let b = s.spawn(|| child(1, port, dirs[1]));
+            [a.join().unwrap(), b.join().unwrap()]
+        })
+    };
+    let outs = pair([&shared, &shared]);
+    let derived = shardlab::comm::auth::Secret::derived_from_job_id("env-test").to_hex();
+    let mut secrets = Vec::new();
+    for (r, o) in outs.iter().enumerate() {
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(
             o.status.success() && out.contains(&format!("env-rank {r} of 2 sum 3")),
             "rank {r}: {out}\n{}",
             String::from_utf8_lossy(&o.stderr)
         );
+        let hex = out.split("secret ").nth(1).and_then(|t| t.split_whitespace().next()).unwrap().to_string();
+        assert_ne!(hex, derived, "rank {r} used the secret anyone can derive from the job id");
+        secrets.push(hex);
     }
+    assert_eq!(secrets[0], secrets[1], "both ranks hold the run's secret");
+    let left: Vec<_> = std::fs::read_dir(shared.join("shardlab")).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "rank 0 removes the secret's file once the group has formed: {left:?}");
+    // A second run draws another secret.
+    let again = pair([&shared, &shared]);
+    assert!(!String::from_utf8_lossy(&again[0].stdout).contains(&secrets[0]), "a fresh secret per run");
+    // No shared file system: rank 1 cannot find the secret and says what to do.
+    let t = std::time::Instant::now();
+    let split = pair([&shared, &elsewhere]);
+    let err = String::from_utf8_lossy(&split[1].stderr);
+    assert!(!split[1].status.success() && err.contains("SHARDLAB_SECRET"), "{err}");
+    assert!(!split[0].status.success() && t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    let _ = std::fs::remove_dir_all(&shared);
+    let _ = std::fs::remove_dir_all(&elsewhere);
 }
 
 #[test]
@@ -466,5 +503,6 @@ fn env_init_child() {
     let pg = ProcessGroup::from_env(CommConfig::default().with_timeout(Duration::from_secs(10))).unwrap();
     let mut t = Tensor::from_slice(&[pg.rank() as f32 + 1.0]);
     pg.all_reduce(&mut t, ReduceOp::Sum).unwrap();
-    println!("env-rank {} of {} sum {}", pg.rank(), pg.world_size(), t.double_value(&[0]));
+    let secret = pg.config().secret.as_ref().map(|s| s.to_hex()).unwrap_or_default();
+    println!("env-rank {} of {} sum {} secret {secret}", pg.rank(), pg.world_size(), t.double_value(&[0]));
 }

@@ -302,3 +302,171 @@ fn a_rank_that_left_is_reported_at_once() {
         assert!(took < Duration::from_millis(PROMPT_MS as u64), "{path:?}: took {took:?} to notice: {e}");
     }
 }
+
+/// One operation of the fault matrix: a collective with one algorithm, the same started
+/// asynchronously, or an all_reduce in a subgroup.
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    AllReduce(Algo),
+    Broadcast(Algo),
+    AllGather(Algo),
+    ReduceScatter(Algo),
+    AsyncAllReduce,
+    /// An all_reduce in a subgroup: pairs of ranks from the last one down (the victim's holds 2).
+    SubgroupAllReduce,
+}
+
+/// Every operation the host backend has on `path`: each collective with each of its algorithms
+/// (direct only with shared memory), async work, and a subgroup.
+fn matrix_ops(path: DataPath) -> Vec<Op> {
+    use Algo::*;
+    let mut ops = vec![
+        Op::AllReduce(Naive),
+        Op::AllReduce(Ring),
+        Op::Broadcast(Naive),
+        Op::Broadcast(Ring),
+        Op::Broadcast(Tree),
+        Op::AllGather(Naive),
+        Op::AllGather(Ring),
+        Op::ReduceScatter(Naive),
+        Op::ReduceScatter(Ring),
+        Op::AsyncAllReduce,
+        Op::SubgroupAllReduce,
+    ];
+    if path == DataPath::Shm {
+        ops.extend([Op::AllReduce(Direct), Op::Broadcast(Direct), Op::AllGather(Direct), Op::ReduceScatter(Direct)]);
+    }
+    ops
+}
+
+/// The faulted collective's number: #0 is rendezvous' barrier (in a subgroup too: its #0 is its
+/// own barrier, and the split's two all-gathers are the parent's #1 and #2).
+const MATRIX_SEQ: u64 = 1;
+
+/// Run `op` on `numel` f32 per rank (inputs r + 1; broadcast from the victim, the last rank),
+/// check what it returned against the exact result, then a barrier; errors stamped.
+fn matrix_rank(pg: &ProcessGroup, op: Op, numel: i64) -> anyhow::Result<()> {
+    let (r, n) = (pg.rank(), pg.world_size());
+    let f = |v: f64, k: i64| Tensor::full([k], v, (Kind::Float, Device::Cpu));
+    let exact = |t: &Tensor, want: &[f64], what: &str| -> anyhow::Result<()> {
+        let k = want.len() as i64;
+        let got = t.reshape([k, -1]);
+        for (i, w) in want.iter().enumerate() {
+            let row = got.get(i as i64);
+            let (lo, hi) = (row.min().double_value(&[]), row.max().double_value(&[]));
+            anyhow::ensure!(lo == *w && hi == *w, "WRONG DATA in {what} block {i}: [{lo}, {hi}], want {w}");
+        }
+        Ok(())
+    };
+    let sum = (n * (n + 1) / 2) as f64;
+    let run = || -> anyhow::Result<()> {
+        match op {
+            Op::AllReduce(a) => {
+                let mut t = f((r + 1) as f64, numel);
+                pg.all_reduce_with(&mut t, ReduceOp::Sum, a)?;
+                exact(&t, &[sum], "all_reduce")?;
+            }
+            Op::Broadcast(a) => {
+                let mut t = f((r + 1) as f64, numel);
+                pg.broadcast_with(&mut t, n - 1, a)?;
+                exact(&t, &[n as f64], "broadcast")?;
+            }
+            Op::AllGather(a) => {
+                let mut out = f(0.0, numel * n as i64);
+                pg.all_gather_with(&mut out, &f((r + 1) as f64, numel), a)?;
+                exact(&out, &(1..=n).map(|i| i as f64).collect::<Vec<_>>(), "all_gather")?;
+            }
+            Op::ReduceScatter(a) => {
+                let mut out = f(0.0, numel);
+                pg.reduce_scatter_with(&mut out, &f((r + 1) as f64, numel * n as i64), ReduceOp::Sum, a)?;
+                exact(&out, &[sum], "reduce_scatter")?;
+            }
+            Op::AsyncAllReduce => {
+                let w = pg.all_reduce_async(f((r + 1) as f64, numel), ReduceOp::Sum)?;
+                exact(&w.wait()?, &[sum], "all_reduce_async")?;
+            }
+            Op::SubgroupAllReduce => {
+                // Pairs from the last rank down: the victim's group has two ranks.
+                let color = |q: usize| (n - 1 - q) / 2;
+                let g = pg.split(Some(color(r)), r)?.expect("every rank is in one");
+                let mut t = f((r + 1) as f64, numel);
+                g.all_reduce(&mut t, ReduceOp::Sum)?;
+                let want: usize = (0..n).filter(|&q| color(q) == color(r)).map(|q| q + 1).sum();
+                exact(&t, &[want as f64], "subgroup all_reduce")?;
+            }
+        }
+        Ok(pg.barrier()?)
+    };
+    run().map_err(stamped)
+}
+
+/// One cell of the matrix: `n` ranks on `path`, the last one failing in `op` after `after`
+/// payload bytes (`kill`: SIGKILL, process ranks; else it aborts and lives on, thread ranks).
+fn matrix_cell(path: DataPath, n: usize, op: Op, after: usize, kill: bool, test: &str) {
+    let numel: i64 = 1 << 16; // 256 KiB per rank: several frames and exchange steps
+    let victim = n - 1;
+    let cfg = CommConfig {
+        transport: path,
+        chunk_bytes: 16 << 10,
+        shm_exchange_bytes: 64 << 10,
+        fault: Some(Fault { rank: victim, seq: MATRIX_SEQ, after_bytes: after, kill }),
+        ..CommConfig::default().with_timeout(LONG)
+    };
+    let launch = if kill { Launch::Processes } else { Launch::Threads };
+    let mut opts = SpawnOptions::new(n, Backend::Tcp).launch(launch).config(cfg);
+    if kill {
+        // The child processes re-run the test up to this cell's spawn (see `this_cell`).
+        opts = opts.child_args(child_args(test));
+        std::env::set_var(CELL_ENV, format!("{path:?} {n} {op:?}"));
+    }
+    let what = format!("{} {path:?} n={n} {op:?} after {after} B", if kill { "SIGKILL" } else { "abort" });
+    let t = std::time::Instant::now();
+    let res = spawn_with(opts, move |pg| {
+        let r = matrix_rank(pg, op, numel);
+        if r.is_err() && pg.rank() == victim && !kill {
+            std::thread::sleep(Duration::from_millis(200)); // the failed rank lives on a while
+        }
+        r
+    });
+    std::env::remove_var(CELL_ENV);
+    let e = res.err().unwrap_or_else(|| panic!("{what}: the victim fails, so the job must fail"));
+    assert!(t.elapsed() < Duration::from_secs(30), "{what}: took {:?}", t.elapsed());
+    check(n, victim, kill, &e.failures, &what);
+}
+
+/// Set (inherited by the child processes) while a process cell runs: which one.
+const CELL_ENV: &str = "SHARDLAB_MATRIX_CELL";
+
+/// Whether to run this cell: always in the test itself; in a child process, only the cell it
+/// was started for (it re-runs the test and becomes a rank at the first spawn it reaches).
+fn this_cell(path: DataPath, n: usize, op: Op) -> bool {
+    std::env::var(CELL_ENV).map_or(true, |c| c == format!("{path:?} {n} {op:?}"))
+}
+
+/// The fault matrix, aborts: every operation of every algorithm, on TCP and shared memory, at
+/// 2–5 ranks, the victim failing early (100 bytes in: even world sizes) or half-way (odd).
+/// Thread ranks.
+#[test]
+fn fault_matrix_aborts() {
+    for path in [DataPath::Tcp, DataPath::Shm] {
+        for n in 2..=5 {
+            for op in matrix_ops(path) {
+                matrix_cell(path, n, op, if n % 2 == 0 { 100 } else { 1 << 17 }, false, "");
+            }
+        }
+    }
+}
+
+/// The fault matrix, deaths: the same operations, the victim SIGKILLed half-way; each
+/// operation at one world size (2–5 in turn, to keep it short). Process ranks.
+#[test]
+fn fault_matrix_kills() {
+    for path in [DataPath::Tcp, DataPath::Shm] {
+        for (i, op) in matrix_ops(path).into_iter().enumerate() {
+            let n = 2 + (i + (path == DataPath::Shm) as usize) % 4;
+            if this_cell(path, n, op) {
+                matrix_cell(path, n, op, 1 << 17, true, "fault_matrix_kills");
+            }
+        }
+    }
+}

@@ -80,7 +80,8 @@ pub enum DataPath {
 /// payload bytes in collective number `seq` (0-based, counting every collective of the group,
 /// the barrier that ends rendezvous included) — in the middle of a frame when `after_bytes`
 /// falls inside one. `kill`: the process SIGKILLs itself; else the rank aborts (its process
-/// stays alive). TCP backend only.
+/// stays alive). TCP backend only. Subgroups inherit it: the same rank, at its rank in the
+/// subgroup, fails at the subgroup's collective number `seq` too (whichever comes first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fault {
     pub rank: usize,

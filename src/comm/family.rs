@@ -51,10 +51,4 @@ impl Family {
             g.abort(&CommError::Aborted { by: g.rank(), reason });
         }
     }
-
-    /// Whether a group of the family failed.
-    #[cfg(test)]
-    pub fn fired(&self) -> bool {
-        self.fired.load(Ordering::SeqCst)
-    }
 }

@@ -128,7 +128,9 @@ pub fn tasks_on_node(spec: &str, node: usize) -> Option<usize> {
 
 /// The rendezvous the tcp and nccl backends share: check the rank, settle the job's secret (into
 /// `cfg`), host the store on rank 0, connect to it, and refuse two processes claiming one rank.
-fn join_store(init: &TcpInit, cfg: &mut CommConfig) -> CommResult<(Option<StoreServer>, StoreClient)> {
+/// Rank 0 also gets the file its run's secret is left in, if it made one: keep it until the
+/// group has formed.
+fn join_store(init: &TcpInit, cfg: &mut CommConfig) -> CommResult<(Option<StoreServer>, StoreClient, SecretKept)> {
     let (rank, n) = (init.rank, init.world_size);
     if n == 0 {
         return Err(CommError::InvalidArgument("WORLD_SIZE must be at least 1".into()));
@@ -137,7 +139,7 @@ fn join_store(init: &TcpInit, cfg: &mut CommConfig) -> CommResult<(Option<StoreS
         return Err(CommError::InvalidArgument(format!("RANK {rank} is out of range for WORLD_SIZE {n}")));
     }
     cfg.validate()?;
-    let secret = auth::job_secret(cfg, rank, &init.master_addr, init.master_port)?;
+    let (secret, kept) = auth::job_secret(cfg, rank, &init.master_addr, init.master_port)?;
     cfg.secret = Some(secret.clone());
     let master = format!("{}:{}", init.master_addr, init.master_port);
     let server = if rank == 0 {
@@ -152,8 +154,10 @@ fn join_store(init: &TcpInit, cfg: &mut CommConfig) -> CommResult<(Option<StoreS
     if client.add(&format!("joined/{rank}"), 1)? > 1 {
         return Err(CommError::Rendezvous(format!("two processes joined as RANK {rank}")));
     }
-    Ok((server, client))
+    Ok((server, client, kept))
 }
+
+type SecretKept = Option<auth::local_secret::SecretFile>;
 
 /// The first host of a Slurm node list: `gpu[07-09,12],cpu1` → `gpu07`, `a[1-2]-ib` → `a1-ib`,
 /// `n1,n2` → `n1` (what `scontrol show hostnames | head -1` prints). `None` for an empty list.
@@ -208,7 +212,7 @@ impl ProcessGroup {
     /// to it, publishes its data address and connects to every other rank.
     pub fn init_tcp(init: &TcpInit, mut cfg: CommConfig) -> CommResult<ProcessGroup> {
         let (rank, n) = (init.rank, init.world_size);
-        let (server, mut client) = join_store(init, &mut cfg)?;
+        let (server, mut client, _kept) = join_store(init, &mut cfg)?;
         let ip = client.local_ip()?;
         let t = TcpTransport::connect(rank, n, &mut client, ip, &cfg)?;
         let host = Arc::new(HostBackend::new(Box::new(t), &cfg));
@@ -245,7 +249,7 @@ impl ProcessGroup {
             )));
         }
         let device = init.local_rank % gpus;
-        let (server, mut client) = join_store(init, &mut cfg)?;
+        let (server, mut client, _kept) = join_store(init, &mut cfg)?;
         let id =
             super::nccl::share_unique_id(&mut client, rank, "nccl/id", || lib.unique_id(), cfg.rendezvous_timeout)?;
         let backend = super::nccl::NcclBackend::new(id, rank, n, device, cfg.timeout)?;

@@ -197,7 +197,7 @@ impl ProcessGroup {
         let ip = self.data_ip.unwrap_or(IpAddr::from([127, 0, 0, 1]));
         let mut cfg = self.config().clone();
         cfg.job_id = format!("{}/split{split}/color{color}", cfg.job_id);
-        cfg.fault = None;
+        cfg.fault = cfg.fault.filter(|f| f.rank == rank).map(|f| super::Fault { rank: new_rank, ..f });
         // The group's rank 0 hosts its store on the address its peers already reach it at (the
         // parent's data address; a free port). Its failure goes out in the record, so that every
         // member fails at once with the reason instead of waiting for a store that never comes.

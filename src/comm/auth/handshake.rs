@@ -328,21 +328,24 @@ pub fn server_handshake<S: HandshakeStream>(
     deadline: Instant,
     check: impl FnOnce(&Identity) -> CommResult<()>,
 ) -> CommResult<Identity> {
-    server_handshake_observed(s, secret, me, deadline, || {}, check)
+    server_handshake_observed(s, secret, me, deadline, || {}, || true, check)
 }
 
 /// [`server_handshake`], calling `said_hello` once the peer has opened with a well-formed shardlab
 /// hello (not yet proven: a crowded listener uses it to evict silent strangers before peers that
-/// are talking).
+/// are talking), and `commit` once the peer is proven and checked, *before* it is told it is in:
+/// `false` (the listener cut this connection meanwhile) sends no verdict, so the peer sees its
+/// connection close and dials again instead of holding a connection nobody keeps.
 pub(crate) fn server_handshake_observed<S: HandshakeStream>(
     s: &mut S,
     secret: &Secret,
     me: &Identity,
     deadline: Instant,
     said_hello: impl FnOnce(),
+    commit: impl FnOnce() -> bool,
     check: impl FnOnce(&Identity) -> CommResult<()>,
 ) -> CommResult<Identity> {
-    let r = server_inner(s, secret, me, deadline, said_hello, check);
+    let r = server_inner(s, secret, me, deadline, said_hello, commit, check);
     let _ = s.set_io_timeout(None);
     r
 }
@@ -353,6 +356,7 @@ fn server_inner<S: HandshakeStream>(
     me: &Identity,
     deadline: Instant,
     said_hello: impl FnOnce(),
+    commit: impl FnOnce() -> bool,
     check: impl FnOnce(&Identity) -> CommResult<()>,
 ) -> CommResult<Identity> {
     let io = |e: std::io::Error| CommError::Auth(format!("handshake with an unauthenticated peer: {e}"));
@@ -366,6 +370,7 @@ fn server_inner<S: HandshakeStream>(
     read_full(s, &mut proof, deadline).map_err(io)?;
     let peer = hs.on_proof(&proof)?;
     match check(&peer) {
+        Ok(()) if !commit() => Err(CommError::Auth("the listener cut the connection before accepting it".into())),
         Ok(()) => {
             write_full(s, &ServerHandshake::accepted(), deadline).map_err(io)?;
             Ok(peer)
@@ -373,6 +378,42 @@ fn server_inner<S: HandshakeStream>(
         Err(e) => {
             let _ = write_full(s, &ServerHandshake::refused(&e.to_string()), deadline);
             Err(e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::auth::{Identity, CHANNEL_DATA};
+    use std::os::unix::net::UnixStream;
+
+    /// A connection the listener cut after the peer proved itself but before the verdict: the
+    /// peer is not told it is in (it gets an I/O error and dials again), where before it got
+    /// `Ok` on a connection the listener had dropped.
+    #[test]
+    fn a_connection_cut_before_its_verdict_is_not_accepted() {
+        let k = Secret::from_hex(&"ab".repeat(32)).unwrap();
+        let soon = || Instant::now() + std::time::Duration::from_secs(2);
+        for keep in [true, false] {
+            let (mut a, mut b) = UnixStream::pair().unwrap();
+            let (srv, cli) = std::thread::scope(|sc| {
+                let h = sc.spawn(|| {
+                    let me = Identity::new("job", 0, 2, CHANNEL_DATA);
+                    let r = server_handshake_observed(&mut b, &k, &me, soon(), || {}, || keep, |_| Ok(()));
+                    drop(b); // what the listener does with a connection it cut
+                    r
+                });
+                let me = Identity::new("job", 1, 2, CHANNEL_DATA);
+                let cli = client_handshake(&mut a, &k, &me, soon(), |_| Ok(()));
+                (h.join().unwrap(), cli)
+            });
+            assert_eq!(srv.is_ok(), keep, "{srv:?}");
+            match cli {
+                Ok(_) => assert!(keep, "the peer was told it is in on a connection the listener cut"),
+                Err(CommError::Io(_)) => assert!(!keep, "a kept connection failed"),
+                Err(e) => panic!("the dialler must see an I/O error and redial: {e}"),
+            }
         }
     }
 }

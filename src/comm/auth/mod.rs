@@ -14,10 +14,9 @@
 //!    `SHARDLAB_SECRET`). Jobs started by `spawn` are therefore always authenticated.
 //! 3. Ranks started by another launcher (torchrun, Slurm, by hand) without `SHARDLAB_SECRET`:
 //!    * if the store is only reachable over loopback (rank 0 binds a loopback address —
-//!      `SHARDLAB_STORE_BIND`, default 127.0.0.1 — and MASTER_ADDR is loopback), the secret is
-//!      derived from the job id, with a one-time warning on stderr: the rendezvous is then
-//!      authenticated only against processes that do not know the job id (anyone on the machine
-//!      who can read your command line or environment does);
+//!      `SHARDLAB_STORE_BIND`, default 127.0.0.1 — and MASTER_ADDR is loopback), rank 0 draws a
+//!      fresh secret for the run and leaves it in a file only this user can read, where the other
+//!      ranks find it (`local_secret.rs`); it is removed once the group has formed;
 //!    * otherwise (several machines, `SHARDLAB_STORE_BIND=0.0.0.0`, a non-loopback MASTER_ADDR)
 //!      the rank refuses to start, with a message saying to export the same `SHARDLAB_SECRET` on
 //!      every machine: an unauthenticated store reachable from the network is never opened.
@@ -73,6 +72,7 @@
 
 // The job's secret and the identities live here; the handshake protocol in `handshake.rs`.
 mod handshake;
+pub(crate) mod local_secret;
 
 use super::error::{CommError, CommResult};
 use hmac::{Hmac, Mac};
@@ -155,9 +155,9 @@ impl Secret {
         }
     }
 
-    /// A secret computed from the job id alone. **Anyone who knows the job id knows it**: this is
-    /// only the fallback for single-machine jobs whose launcher did not set `SHARDLAB_SECRET` (see
-    /// the module docs), and handy in tests and lessons.
+    /// A secret computed from the job id alone. **Anyone who knows the job id knows it**: for
+    /// tests and lessons only (ranks without `SHARDLAB_SECRET` get a fresh one per run, see the
+    /// module docs).
     pub fn derived_from_job_id(job_id: &str) -> Secret {
         let mut h = Sha256::new();
         h.update(b"shardlab-job-id-derived-secret\0");
@@ -260,19 +260,21 @@ pub fn expect_rank(peer: &Identity, rank: usize, world_size: usize) -> CommResul
 }
 
 /// The secret a TCP rank uses (what `init_tcp` puts into its config): `cfg.secret`, else
-/// `SHARDLAB_SECRET`, else — only when the store is reachable over loopback alone — one derived
-/// from the job id, with a one-time warning; otherwise a clear error. See the module docs.
+/// `SHARDLAB_SECRET`, else — only when the store is reachable over loopback alone — a fresh one
+/// for this run that rank 0 leaves in a file only this user can read (`local_secret.rs`; rank 0
+/// also gets the file, to keep until the group has formed); otherwise a clear error. See the
+/// module docs.
 pub(crate) fn job_secret(
     cfg: &super::CommConfig,
     rank: usize,
     master_addr: &str,
     master_port: u16,
-) -> CommResult<Secret> {
+) -> CommResult<(Secret, Option<local_secret::SecretFile>)> {
     if let Some(s) = &cfg.secret {
-        return Ok(s.clone());
+        return Ok((s.clone(), None));
     }
     if let Some(s) = Secret::from_env()? {
-        return Ok(s);
+        return Ok((s, None));
     }
     let bind_loopback =
         rank != 0 || cfg.store_bind.parse::<std::net::IpAddr>().map(|ip| ip.is_loopback()).unwrap_or(true);
@@ -292,15 +294,10 @@ pub(crate) fn job_secret(
              with the same value on every machine of the job."
         )));
     }
-    static WARN: std::sync::Once = std::sync::Once::new();
-    WARN.call_once(|| {
-        eprintln!(
-            "shardlab: WARNING: {SECRET_ENV} is not set, so this job's rendezvous secret is derived from its \
-             job id ({:?}): any process on this machine that knows the job id can join or disrupt the job. \
-             Export the same {SECRET_ENV} (e.g. `openssl rand -hex 32`) for every rank, or start the ranks \
-             with shardlab::launch::spawn, which generates one.",
-            cfg.job_id
-        )
-    });
-    Ok(Secret::derived_from_job_id(&cfg.job_id))
+    if rank == 0 {
+        let (s, f) = local_secret::publish(&cfg.job_id, master_port)?;
+        Ok((s, Some(f)))
+    } else {
+        Ok((local_secret::fetch(&cfg.job_id, master_port, cfg.rendezvous_timeout)?, None))
+    }
 }

@@ -231,12 +231,24 @@ pub(super) fn connect(
                             *st = Hs::SaidHello(Instant::now());
                         }
                     };
-                    let outcome = auth::server_handshake_observed(&mut s, &secret, &me, until, hello, check);
-                    let mut st = super::relock(&st);
-                    if *st == Hs::Cut {
-                        return; // evicted meanwhile: its socket is already shut
+                    // Finished (safe from eviction) before the peer is told it is in; a
+                    // connection evicted first is never accepted, so its dialler redials.
+                    let commit = || {
+                        let mut st = super::relock(&st);
+                        let kept = *st != Hs::Cut;
+                        if kept {
+                            *st = Hs::Finished;
+                        }
+                        kept
+                    };
+                    let outcome = auth::server_handshake_observed(&mut s, &secret, &me, until, hello, commit, check);
+                    {
+                        let mut st = super::relock(&st);
+                        if *st == Hs::Cut {
+                            return; // evicted meanwhile: its socket is already shut
+                        }
+                        *st = Hs::Finished;
                     }
-                    *st = Hs::Finished;
                     match outcome {
                         Ok(peer) => _ = tx.send(Ok((peer, s))),
                         Err(CommError::Auth(_)) => {} // a stranger, garbage or a timeout: dropped

@@ -229,6 +229,13 @@ fn shm_setup(rank: usize, world: usize, store: &mut StoreClient, cfg: &CommConfi
             let mut tag = [0u8; 8];
             getrandom::getrandom(&mut tag).map_err(|e| CommError::Io(format!("no random bytes from the OS: {e}")))?;
             let tag: String = tag.iter().map(|b| format!("{b:02x}")).collect();
+            let (n, bytes) = shm::sweep_dead(std::path::Path::new("/dev/shm"));
+            if n > 0 {
+                eprintln!(
+                    "shardlab: rank {rank}: removed {n} shared-memory segment(s) ({} MiB) left in /dev/shm by killed ranks",
+                    bytes >> 20
+                );
+            }
             match shm::Segment::create(std::path::Path::new("/dev/shm"), &tag, rank, world, cfg.shm_exchange_bytes) {
                 Ok(s) => Some(Arc::new(s)),
                 Err(e) if want == DataPath::Shm => {
@@ -282,7 +289,7 @@ fn shm_setup(rank: usize, world: usize, store: &mut StoreClient, cfg: &CommConfi
             continue;
         }
         *slot = Some(Arc::new(
-            shm::Segment::open(std::path::Path::new(path), world)
+            shm::Segment::open(std::path::Path::new(path), p, world)
                 .map_err(|e| rdv(format!("rank {p}'s shared memory: {e}")))?,
         ));
     }

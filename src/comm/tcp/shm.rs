@@ -2,9 +2,11 @@
 //! SHM transport does within a node (TCP stays the path between machines, and the control
 //! connections stay TCP everywhere).
 //!
-//! Each rank creates one segment in `/dev/shm` (mode 0600, name with a random part, published in
-//! the authenticated store and unlinked once the group is up). It holds the rank's *doorbell* and
-//! one inbound ring per peer:
+//! Each rank creates one segment in `/dev/shm` (mode 0600, published in the authenticated store
+//! and unlinked once the group is up). Its name, `shardlab-<pid namespace>-<pid>-<random>-<rank>`,
+//! says who made it: a process killed before its group formed leaves its segment behind, and the
+//! next group formed on the machine removes the segments whose maker is dead ([`sweep_dead`]).
+//! It holds the rank's *doorbell* and one inbound ring per peer (none for itself):
 //!
 //! ```text
 //! [ header | doorbell | sleepers | epoch | op slots | ring from rank 0: head · tail · data | …
@@ -50,6 +52,8 @@ const RING: usize = 2 << 20;
 /// One rank's mapped segment (its own, or a peer's).
 pub(super) struct Segment {
     base: *mut u8,
+    /// The rank that made it (its rings are from the others).
+    rank: usize,
     len: usize,
     ring: usize,
     exchange: usize,
@@ -67,7 +71,7 @@ fn io_err(what: &str, path: &Path) -> CommError {
 
 impl Segment {
     fn size(world: usize, ring: usize, exchange: usize) -> usize {
-        HEADER + world * (2 * LINE + ring) + 2 * exchange
+        HEADER + world.saturating_sub(1) * (2 * LINE + ring) + 2 * exchange
     }
 
     /// Create rank `rank`'s segment in `dir` (unlinked again on drop).
@@ -78,7 +82,7 @@ impl Segment {
             .filter(|r| r.is_power_of_two() && *r >= 4096)
             .unwrap_or(RING);
         let exchange = exchange.next_multiple_of(LINE);
-        let path = dir.join(format!("shardlab-{tag}-{rank}"));
+        let path = dir.join(format!("{}{}-{tag}-{rank}", own_prefix(), std::process::id()));
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -101,18 +105,21 @@ impl Segment {
                 dir.display()
             )));
         }
-        let seg = Self::map(&f, len, ring, exchange, path, true)?;
+        let seg = Self::map(&f, len, ring, exchange, rank, path.clone(), true).inspect_err(|_| {
+            let _ = std::fs::remove_file(&path);
+        })?;
         unsafe {
             (seg.base as *mut u64).write_volatile(MAGIC);
             (seg.base.add(8) as *mut u64).write_volatile(world as u64);
             (seg.base.add(16) as *mut u64).write_volatile(ring as u64);
             (seg.base.add(24) as *mut u64).write_volatile(exchange as u64);
+            (seg.base.add(32) as *mut u64).write_volatile(rank as u64);
         }
         Ok(seg)
     }
 
-    /// Map a peer's segment and check that it is one, for this world.
-    pub fn open(path: &Path, world: usize) -> CommResult<Segment> {
+    /// Map rank `rank`'s segment and check that it is one, its, for this world.
+    pub fn open(path: &Path, rank: usize, world: usize) -> CommResult<Segment> {
         // Only a regular file of ours, made by a rank (not a link, not another user's file).
         let named = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("shardlab-"));
         if !named || path.parent() != Some(Path::new("/dev/shm")) {
@@ -138,18 +145,22 @@ impl Segment {
         if flen < HEADER {
             return Err(CommError::Protocol(format!("{} is not a shardlab segment", path.display())));
         }
-        let head = Self::map(&f, HEADER, 0, 0, path.to_path_buf(), false)?;
+        let head = Self::map(&f, HEADER, 0, 0, rank, path.to_path_buf(), false)?;
         let (magic, w, ring, exchange) = (head.word(0), head.word(8), head.word(16) as usize, head.word(24) as usize);
+        let owner = head.word(32);
         drop(head);
         let sizes_ok = ring.is_power_of_two()
             && ring < (1 << 40)
             && exchange < (1 << 40)
             && world < (1 << 20)
             && flen == Self::size(world, ring, exchange);
-        if magic != MAGIC || w != world as u64 || !sizes_ok {
-            return Err(CommError::Protocol(format!("{} is not a shardlab segment for this world", path.display())));
+        if magic != MAGIC || w != world as u64 || owner != rank as u64 || !sizes_ok {
+            return Err(CommError::Protocol(format!(
+                "{} is not rank {rank}'s shardlab segment for this world",
+                path.display()
+            )));
         }
-        Self::map(&f, flen, ring, exchange, path.to_path_buf(), false)
+        Self::map(&f, flen, ring, exchange, rank, path.to_path_buf(), false)
     }
 
     fn map(
@@ -157,6 +168,7 @@ impl Segment {
         len: usize,
         ring: usize,
         exchange: usize,
+        rank: usize,
         path: PathBuf,
         owner: bool,
     ) -> CommResult<Segment> {
@@ -173,7 +185,7 @@ impl Segment {
         if p == libc::MAP_FAILED {
             return Err(io_err("mmap", &path));
         }
-        Ok(Segment { base: p as *mut u8, len, ring, exchange, path, owner })
+        Ok(Segment { base: p as *mut u8, rank, len, ring, exchange, path, owner })
     }
 
     fn word(&self, off: usize) -> u64 {
@@ -185,8 +197,10 @@ impl Segment {
     fn atomic64(&self, off: usize) -> &AtomicU64 {
         unsafe { &*(self.base.add(off) as *const AtomicU64) }
     }
+    /// The ring from rank `p` (≠ the owner): the others' rings in rank order.
     fn slot(&self, p: usize) -> usize {
-        HEADER + p * (2 * LINE + self.ring)
+        debug_assert_ne!(p, self.rank, "no ring from a rank to itself");
+        HEADER + (p - (p > self.rank) as usize) * (2 * LINE + self.ring)
     }
     pub fn path(&self) -> &Path {
         &self.path
@@ -361,4 +375,95 @@ pub(super) fn host_id() -> String {
     let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
     let shm = std::fs::metadata("/dev/shm").map(|m| format!("{}:{}", m.dev(), m.ino())).unwrap_or_default();
     format!("{}/{}/{shm}", boot.trim(), String::from_utf8_lossy(&name[..end]))
+}
+
+/// This process's segment names begin with this: `shardlab-<pid namespace>-` (then the pid).
+/// The pid namespace (the inode of `/proc/self/ns/pid`) keeps containers that share `/dev/shm`
+/// but not process ids from judging each other's segments.
+fn own_prefix() -> String {
+    use std::os::unix::fs::MetadataExt;
+    let ns = std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0);
+    format!("shardlab-{ns}-")
+}
+
+/// Remove the segments in `dir` that processes of this pid namespace made and that are dead
+/// (killed before their group formed, which is when a segment is unlinked). Returns how many
+/// and their bytes. Only regular files of this user; a segment of a live process is kept.
+pub(super) fn sweep_dead(dir: &Path) -> (usize, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let prefix = own_prefix();
+    let (mut n, mut bytes) = (0, 0);
+    let Ok(entries) = std::fs::read_dir(dir) else { return (0, 0) };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)).and_then(|r| r.split('-').next()) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<libc::pid_t>() else { continue };
+        let Ok(meta) = std::fs::symlink_metadata(e.path()) else { continue };
+        if !meta.is_file() || meta.uid() != unsafe { libc::geteuid() } || pid <= 0 {
+            continue;
+        }
+        let dead =
+            unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if dead && std::fs::remove_file(e.path()).is_ok() {
+            n += 1;
+            bytes += meta.blocks() * 512;
+        }
+    }
+    (n, bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// A segment holds rings from the other ranks only: world − 1 of them, and the pages are
+    /// reserved (measured by the file system's allocated blocks, not by our own size formula).
+    #[test]
+    fn a_segment_reserves_a_ring_per_peer_not_for_itself() {
+        let seg = Segment::create(Path::new("/dev/shm"), "test-ring", 2, 4, 1 << 16).unwrap();
+        let held = std::fs::metadata(seg.path()).unwrap().blocks() * 512;
+        let ring = RING as u64;
+        assert!(held >= 3 * ring && held < 4 * ring, "{held} bytes reserved for 3 rings of {ring}");
+        // The peers' rings do not overlap and stay inside the segment.
+        let slots: Vec<usize> = [0, 1, 3].iter().map(|&p| seg.slot(p)).collect();
+        assert!(slots.windows(2).all(|w| w[1] - w[0] == 2 * LINE + RING), "{slots:?}");
+        assert!(slots[2] + 2 * LINE + RING <= seg.len - 2 * seg.exchange);
+        let other = Segment::open(seg.path(), 2, 4).unwrap();
+        assert_eq!(other.slot(3), seg.slot(3));
+        let e = Segment::open(seg.path(), 1, 4).err().expect("another rank's claim is refused");
+        assert!(e.to_string().contains("rank 1's"), "{e}");
+    }
+
+    /// Leftovers of dead processes of this pid namespace go; a live process's segment, another
+    /// namespace's and files that are not segments stay.
+    #[test]
+    fn segments_of_dead_processes_are_swept() {
+        let dir = std::env::temp_dir().join(format!("shardlab-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let me = std::process::id();
+        let p = own_prefix();
+        let files = [
+            (format!("{p}{dead}-ab-0"), true),
+            (format!("{p}{me}-cd-1"), false),
+            (format!("shardlab-1-{dead}-ef-0"), p == "shardlab-1-"),
+            (format!("{p}notapid-0"), false),
+            ("other".to_string(), false),
+        ];
+        for (f, _) in &files {
+            std::fs::write(dir.join(f), vec![1u8; 8192]).unwrap();
+        }
+        let (n, bytes) = sweep_dead(&dir);
+        for (f, gone) in &files {
+            assert_eq!(!dir.join(f).exists(), *gone, "{f}");
+        }
+        assert_eq!(n, files.iter().filter(|f| f.1).count());
+        assert!(bytes >= 8192 * n as u64);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
