@@ -3,7 +3,8 @@
 //! back as a `Running` operation whose completion event `Work::wait` polls (with the
 //! communicator's asynchronous error and the group's timeout).
 
-use super::ffi::{cuda, nccl_op, nccl_type, Comm, Event, Lib, Stream, UniqueId};
+use super::ffi::{cuda, nccl_type, Comm, Event, Lib, Stream, UniqueId};
+use super::wait::{wait_for, Completion, Polled};
 use crate::comm::backend::{CommBackend, CommStats, InFlight, Pending};
 use crate::comm::dtype::{DType, ReduceOp};
 use crate::comm::error::{CommError, CommResult};
@@ -182,56 +183,33 @@ impl InFlight for Running {
     }
 }
 
+impl Completion for Running {
+    fn query(&self) -> Polled {
+        match unsafe { (self.lib.event_query)(self.done) } {
+            0 => Polled::Done,
+            600 => Polled::Pending, // cudaErrorNotReady
+            e => Polled::Failed(e),
+        }
+    }
+    fn async_error(&self) -> Result<Option<String>, ()> {
+        let c = self.comm.get().ok_or(())?;
+        let mut err = 0;
+        unsafe { (self.lib.comm_get_async_error)(c, &mut err) };
+        Ok((err != 0).then(|| unsafe { CStr::from_ptr((self.lib.error_string)(err)) }.to_string_lossy().into_owned()))
+    }
+    fn abort(&self) {
+        self.comm.end(self.lib, false);
+    }
+}
+
 impl Running {
-    /// Poll until the operation finished, failed, or ran out of time (then abort the communicator).
+    /// Wait until the operation finished, failed, or ran out of time (`wait.rs`: then poison the
+    /// group and abort the communicator).
     fn finish(&mut self) -> CommResult<()> {
         if self.finished {
             return Ok(());
         }
-        let fail = |me: &Self, e: CommError| {
-            me.comm.end(me.lib, false);
-            crate::comm::relock(&me.poison).get_or_insert(e).clone()
-        };
-        let mut spins = 0u32;
-        let r = loop {
-            // A poisoned group first: an aborted kernel's event completes too, on half-done data.
-            if let Some(e) = crate::comm::relock(&self.poison).clone() {
-                break Err(e);
-            }
-            match unsafe { (self.lib.event_query)(self.done) } {
-                0 => break Ok(()),
-                600 => {}
-                e => break Err(fail(self, CommError::Io(format!("{}: CUDA error {e} while waiting", self.what)))),
-            }
-            let mut async_err = 0;
-            match self.comm.get() {
-                Some(c) => unsafe {
-                    (self.lib.comm_get_async_error)(c, &mut async_err);
-                },
-                None => break Err(CommError::Io(format!("{}: the NCCL communicator was aborted", self.what))),
-            }
-            if async_err != 0 {
-                let msg = unsafe { CStr::from_ptr((self.lib.error_string)(async_err)) }.to_string_lossy().into_owned();
-                break Err(fail(self, CommError::Io(format!("{}: NCCL reported {msg} (a peer failed?)", self.what))));
-            }
-            if Instant::now() > self.deadline {
-                break Err(fail(
-                    self,
-                    CommError::Io(format!(
-                        "{}: not finished within the group's timeout ({:?}); NCCL communicator aborted (a rank died, \
-                         or the ranks called different collectives?)",
-                        self.what, self.timeout
-                    )),
-                ));
-            }
-            // Spin briefly (most operations finish within microseconds of their kernel), then sleep.
-            spins += 1;
-            if spins < 200 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep(Duration::from_micros(20));
-            }
-        };
+        let r = wait_for(self, &self.poison, self.deadline, self.timeout, &self.what);
         unsafe { (self.lib.event_destroy)(self.done) };
         self.finished = true;
         r
@@ -243,6 +221,16 @@ impl Drop for Running {
     /// stay alive until it finished (or the communicator is aborted).
     fn drop(&mut self) {
         let _ = self.finish();
+    }
+}
+
+impl Drop for NcclBackend {
+    /// The communicator (aborted if the group did not leave cleanly) and the stream it ran on
+    /// (CUDA frees it once the work enqueued there has finished): a subgroup made and dropped
+    /// leaks neither.
+    fn drop(&mut self) {
+        self.comm.end(self.lib, false);
+        unsafe { (self.lib.stream_destroy)(self.stream) };
     }
 }
 
@@ -322,14 +310,14 @@ impl CommBackend for NcclBackend {
         if op == ReduceOp::Avg && d == DType::I64 {
             return Err(CommError::InvalidArgument("all_reduce: Avg needs a floating-point dtype".into()));
         }
-        let (p, f) = (t.data_ptr(), self.lib.all_reduce);
+        let (p, f, o) = (t.data_ptr(), self.lib.all_reduce, self.lib.reduce_op(op, "all_reduce")?);
         // A ring all-reduce sends 2(N−1)/N of the buffer per rank.
         let bytes = (2 * (self.world - 1) * n * d.size() / self.world.max(1)) as u64;
         self.enqueue(
             OpKind::AllReduce,
             bytes,
             vec![t.shallow_clone()],
-            |comm, s| unsafe { f(p, p, n, nccl_type(d), nccl_op(op), comm, s) },
+            |comm, s| unsafe { f(p, p, n, nccl_type(d), o, comm, s) },
             "all_reduce",
         )
     }
@@ -362,12 +350,13 @@ impl CommBackend for NcclBackend {
             )));
         }
         let (i, o, f) = (input.data_ptr(), out.data_ptr(), self.lib.reduce_scatter);
+        let rop = self.lib.reduce_op(op, "reduce_scatter")?;
         let bytes = ((self.world - 1) * m * d.size()) as u64;
         self.enqueue(
             OpKind::ReduceScatter,
             bytes,
             vec![input.shallow_clone(), out.shallow_clone()],
-            |comm, s| unsafe { f(i, o, m, nccl_type(d), nccl_op(op), comm, s) },
+            |comm, s| unsafe { f(i, o, m, nccl_type(d), rop, comm, s) },
             "reduce_scatter",
         )
     }

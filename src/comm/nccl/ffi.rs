@@ -35,6 +35,7 @@ pub struct Lib {
     pub(super) recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, Stream) -> c_int,
     pub(super) set_device: unsafe extern "C" fn(c_int) -> c_int,
     pub(super) stream_create: unsafe extern "C" fn(*mut Stream, c_uint) -> c_int,
+    pub(super) stream_destroy: unsafe extern "C" fn(Stream) -> c_int,
     pub(super) event_create: unsafe extern "C" fn(*mut Event, c_uint) -> c_int,
     pub(super) event_record: unsafe extern "C" fn(Event, Stream) -> c_int,
     pub(super) event_query: unsafe extern "C" fn(Event) -> c_int,
@@ -95,6 +96,7 @@ impl Lib {
             recv: sym(n, "ncclRecv")?,
             set_device: sym(c, "cudaSetDevice")?,
             stream_create: sym(c, "cudaStreamCreateWithFlags")?,
+            stream_destroy: sym(c, "cudaStreamDestroy")?,
             event_create: sym(c, "cudaEventCreateWithFlags")?,
             event_record: sym(c, "cudaEventRecord")?,
             event_query: sym(c, "cudaEventQuery")?,
@@ -121,6 +123,20 @@ impl Lib {
         let mut id = UniqueId([0; 128]);
         self.check(unsafe { (self.get_unique_id)(&mut id) }, "ncclGetUniqueId")?;
         Ok(id)
+    }
+
+    /// `op` if this NCCL has it: `ncclAvg` came with NCCL 2.10 (version code 21000; older
+    /// versions are below it in either encoding).
+    pub(super) fn reduce_op(&self, op: ReduceOp, what: &str) -> CommResult<c_int> {
+        if op == ReduceOp::Avg {
+            let v = self.version()?;
+            if v < 21000 {
+                return Err(CommError::InvalidArgument(format!(
+                    "{what}: Avg needs NCCL 2.10 or newer (this one is version code {v}); use Sum and divide"
+                )));
+            }
+        }
+        Ok(nccl_op(op))
     }
 
     pub(super) fn check(&self, r: c_int, what: &str) -> CommResult<()> {

@@ -18,10 +18,20 @@
 //! event there, makes the backend's own stream wait for it (the kernels that produced the input
 //! have run), enqueues the NCCL kernel on the backend's stream and records a completion event;
 //! `Work::wait` polls that event, the communicator's asynchronous error and the group's timeout
-//! (on a timeout or an error it aborts the communicator, as torch's NCCL watchdog does).
+//! (on a timeout or an error it aborts the communicator, as torch's NCCL watchdog does). That
+//! state machine is `wait.rs`, apart from CUDA and tested without a GPU: the group is poisoned
+//! before the communicator is aborted, and a completed event counts only if the group is not
+//! poisoned then (an aborted kernel's event completes too, on half-reduced data). `ncclAvg` is
+//! used only where NCCL has it (2.10+). Dropping a backend destroys its stream.
+//!
+//! Not yet (they need a GPU to test): the compute stream waits on the completion event instead of
+//! the host; events are created per operation; a launch holds the communicator's read lock, so
+//! `abort` waits for a launch that hangs; a pipeline's send and recv are not grouped
+//! (`ncclGroupStart/End`).
 
 mod backend;
 mod ffi;
+mod wait;
 
 pub use backend::NcclBackend;
 pub use ffi::{Lib, UniqueId};
