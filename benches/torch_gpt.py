@@ -183,13 +183,17 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # the tied weight is counted once
 
 
-def configure_optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:
+def configure_optimizer(model: nn.Module, lr: float, impl: str = "default") -> torch.optim.AdamW:
+    """nanoGPT's AdamW groups. ``impl``: "default" is PyTorch's choice (foreach, multi-tensor, on
+    CUDA); "per-tensor" (foreach=False) steps one tensor at a time as shardlab does (tch exposes
+    neither the foreach nor the fused kernels), for a like-for-like comparison of the step."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    extra = {"foreach": False} if impl == "per-tensor" else {}
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **extra)
 
 
 def load_tokens(path: str) -> torch.Tensor:
@@ -346,7 +350,7 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
         model = wrap_tp(model, world_size)
     elif ddp:
         model = nn.parallel.DistributedDataParallel(model)
-    opt = configure_optimizer(model, args.lr)
+    opt = configure_optimizer(model, args.lr, getattr(args, "adamw", "default"))
     # Different rows per rank; under tp every rank reads the same rows, the whole global batch.
     g = torch.Generator().manual_seed(args.seed + 1 + (0 if tp else rank))
     B, T = args.batch_size * (world_size if tp else 1), args.block_size
@@ -386,7 +390,7 @@ def train_loop(args, rank: int, world_size: int, ddp: bool) -> dict:
         "tokens_per_s": B * T * (1 if tp else world_size) / median, "step_s_median": median,
         "final_loss": final_loss, "threads": args.threads, "checkpointing": args.checkpointing,
         "precision": args.precision,
-        "peak_rss_bytes": peak_rss_bytes(), "device": args.device,
+        "peak_rss_bytes": peak_rss_bytes(), "device": args.device, "adamw": getattr(args, "adamw", "default"),
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         # device-wide, as shardlab's cudaMemGetInfo figure (context, allocator cache, every process)
         "cuda_used_bytes": (lambda f, t: t - f)(*torch.cuda.mem_get_info(dev)) if dev.type == "cuda" else None,
@@ -466,6 +470,8 @@ def parse_args(argv=None):
                    help="fsdp: fully_shard(block, reshard_after_forward=False)")
     t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="fp32, or torch.autocast(device, dtype=bf16/fp16) around the forward (fp16: GradScaler)")
+    t.add_argument("--adamw", choices=("default", "per-tensor"), default="default",
+                   help="PyTorch's AdamW as it chooses (foreach on CUDA), or one tensor at a time (foreach=False) as shardlab")
     t.add_argument("--checkpointing", default="none",
                    help="activation checkpointing: none, full or every:K (torch.utils.checkpoint per block)")
     t.set_defaults(func=cmd_train)
