@@ -456,14 +456,14 @@ fn env_init_reads_torchrun_variables() {
             .output()
             .unwrap()
     };
-    let pair = |dirs: [&std::path::Path; 2]| {
-        let port = shardlab::launch::free_port().unwrap();
+    let pair_on = |port: u16, dirs: [&std::path::Path; 2]| {
         std::thread::scope(|s| {
             let a = s.spawn(|| child(0, port, dirs[0]));
             let b = s.spawn(|| child(1, port, dirs[1]));
             [a.join().unwrap(), b.join().unwrap()]
         })
     };
+    let pair = |dirs: [&std::path::Path; 2]| pair_on(shardlab::launch::free_port().unwrap(), dirs);
     let outs = pair([&shared, &shared]);
     let derived = shardlab::comm::auth::Secret::derived_from_job_id("env-test").to_hex();
     let mut secrets = Vec::new();
@@ -483,7 +483,30 @@ fn env_init_reads_torchrun_variables() {
     assert!(left.is_empty(), "rank 0 removes the secret's file once the group has formed: {left:?}");
     // A second run draws another secret.
     let again = pair([&shared, &shared]);
-    assert!(!String::from_utf8_lossy(&again[0].stdout).contains(&secrets[0]), "a fresh secret per run");
+    for (r, o) in again.iter().enumerate() {
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "second run, rank {r}: {out}\n{}", String::from_utf8_lossy(&o.stderr));
+        let hex = out.split("secret ").nth(1).and_then(|t| t.split_whitespace().next()).unwrap();
+        assert!(hex.len() == 64 && hex != secrets[0], "rank {r}: a fresh secret per run, got {hex}");
+    }
+    // A file left by an earlier run on the same job id and port (another secret; its writer, this
+    // test's process, still runs) does not stop the group: rank 1 reads again when the store
+    // refuses it.
+    let port = shardlab::launch::free_port().unwrap();
+    let name: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(format!("env-test\0{port}").as_bytes())[..8].iter().map(|b| format!("{b:02x}")).collect()
+    };
+    let started = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let started = started.rsplit_once(')').unwrap().1.split_whitespace().nth(19).unwrap().to_string();
+    let ns = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata("/proc/self/ns/pid").unwrap());
+    let stale = shared.join("shardlab").join(format!("rdzv-{name}"));
+    std::fs::write(&stale, format!("{} {started} {ns} {}\n", std::process::id(), "ab".repeat(32))).unwrap();
+    let outs = pair_on(port, [&shared, &shared]);
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "stale file, rank {r}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    assert!(!stale.exists(), "rank 0's file replaced the stale one and was removed");
     // No shared file system: rank 1 cannot find the secret and says what to do.
     let t = std::time::Instant::now();
     let split = pair([&shared, &elsewhere]);

@@ -417,7 +417,7 @@ fn matrix_cell(path: DataPath, n: usize, op: Op, after: usize, kill: bool, test:
     if kill {
         // The child processes re-run the test up to this cell's spawn (see `this_cell`).
         opts = opts.child_args(child_args(test));
-        std::env::set_var(CELL_ENV, format!("{path:?} {n} {op:?}"));
+        opts.env.push((CELL_ENV.into(), format!("{path:?} {n} {op:?}")));
     }
     let what = format!("{} {path:?} n={n} {op:?} after {after} B", if kill { "SIGKILL" } else { "abort" });
     let t = std::time::Instant::now();
@@ -428,13 +428,12 @@ fn matrix_cell(path: DataPath, n: usize, op: Op, after: usize, kill: bool, test:
         }
         r
     });
-    std::env::remove_var(CELL_ENV);
     let e = res.err().unwrap_or_else(|| panic!("{what}: the victim fails, so the job must fail"));
     assert!(t.elapsed() < Duration::from_secs(30), "{what}: took {:?}", t.elapsed());
     check(n, victim, kill, &e.failures, &what);
 }
 
-/// Set (inherited by the child processes) while a process cell runs: which one.
+/// In the child processes of a process cell: which cell they run.
 const CELL_ENV: &str = "SHARDLAB_MATRIX_CELL";
 
 /// Whether to run this cell: always in the test itself; in a child process, only the cell it

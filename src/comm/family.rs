@@ -32,11 +32,16 @@ impl Family {
         Arc::new(Family { rank, members: Mutex::new(Vec::new()), fired: AtomicBool::new(false) })
     }
 
-    /// `group` is one of this rank's groups.
+    /// `group` is one of this rank's groups (made after the family failed: it fails at once).
     pub fn join(&self, group: &Arc<dyn CommBackend>) {
         let mut m = relock(&self.members);
         m.retain(|w| w.strong_count() > 0);
         m.push(Arc::downgrade(group));
+        drop(m);
+        if self.fired.load(Ordering::SeqCst) {
+            let reason = format!("another group of rank {} of the job had failed before this one was made", self.rank);
+            group.abort(&CommError::Aborted { by: group.rank(), reason });
+        }
     }
 
     /// A group of the family failed with `err`: abort every other group (once; later failures

@@ -159,6 +159,14 @@ impl ProcessGroup {
 
     /// Send `t` to rank `dst`, which must call [`recv`](Self::recv) with a tensor of the same
     /// dtype and size. Returns once the data left this rank.
+    ///
+    /// A message sits between the same collectives of this group on both ranks: a `send` before
+    /// a collective received after it (or the other way round) is a [`CommError::Mismatch`] on
+    /// every data path, whether or not the message would fit the link (Gloo would buffer it,
+    /// NCCL would hang). Caught where a rank can see it: the receiver finds the message waiting
+    /// when its collective starts or stalls, or a receiver finds its sender in a collective over
+    /// shared memory. A receiver waiting in `recv` while its sender waits in a collective that
+    /// does not read from it (a broadcast leaf over frames) is released by the timeout only.
     pub fn send(&self, t: &Tensor, dst: usize) -> CommResult<()> {
         self.check_rank("send: destination", dst)?;
         if dst == self.rank() {

@@ -3,7 +3,7 @@
 //! that find each other through the TCP store at MASTER_ADDR:MASTER_PORT, as torchrun sets
 //! them up). Both build the host backend over their transport.
 
-use super::auth;
+use super::auth::{self, local_secret, SecretFrom};
 use super::config::{env_num, Backend, CommConfig};
 use super::error::{CommError, CommResult};
 use super::group::ProcessGroup;
@@ -139,8 +139,7 @@ fn join_store(init: &TcpInit, cfg: &mut CommConfig) -> CommResult<(Option<StoreS
         return Err(CommError::InvalidArgument(format!("RANK {rank} is out of range for WORLD_SIZE {n}")));
     }
     cfg.validate()?;
-    let (secret, kept) = auth::job_secret(cfg, rank, &init.master_addr, init.master_port)?;
-    cfg.secret = Some(secret.clone());
+    let (mut secret, from) = auth::job_secret(cfg, rank, &init.master_addr, init.master_port)?;
     let master = format!("{}:{}", init.master_addr, init.master_port);
     let server = if rank == 0 {
         let ip: std::net::IpAddr = cfg.store_bind.parse().map_err(|_| {
@@ -150,14 +149,42 @@ fn join_store(init: &TcpInit, cfg: &mut CommConfig) -> CommResult<(Option<StoreS
     } else {
         None
     };
-    let mut client = StoreClient::connect(&master, &cfg.job_id, &secret, cfg.rendezvous_timeout)?;
+    // A secret drawn for this run goes to the other ranks once the port is ours.
+    let kept = match from {
+        SecretFrom::Drawn => Some(local_secret::publish(&cfg.job_id, init.master_port, &secret)?),
+        _ => None,
+    };
+    if from != SecretFrom::Given {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            eprintln!(
+                "shardlab: rank {rank}: {} is not set: rank 0 drew a secret for this run and left it for the other \
+                 ranks in a file only this user can read ({}); export one {} for ranks on several machines",
+                auth::SECRET_ENV,
+                local_secret::describe(&cfg.job_id, init.master_port),
+                auth::SECRET_ENV
+            )
+        });
+    }
+    let deadline = std::time::Instant::now() + cfg.rendezvous_timeout;
+    let mut client = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match StoreClient::connect(&master, &cfg.job_id, &secret, left) {
+            // An earlier run's file, read before this run's rank 0 replaced it: read it again.
+            Err(CommError::Auth(_)) if from == SecretFrom::File && std::time::Instant::now() < deadline => {
+                secret = local_secret::fetch(&cfg.job_id, init.master_port, deadline, Some(&secret))?;
+            }
+            r => break r?,
+        }
+    };
+    cfg.secret = Some(secret);
     if client.add(&format!("joined/{rank}"), 1)? > 1 {
         return Err(CommError::Rendezvous(format!("two processes joined as RANK {rank}")));
     }
     Ok((server, client, kept))
 }
 
-type SecretKept = Option<auth::local_secret::SecretFile>;
+type SecretKept = Option<local_secret::SecretFile>;
 
 /// The first host of a Slurm node list: `gpu[07-09,12],cpu1` → `gpu07`, `a[1-2]-ib` → `a1-ib`,
 /// `n1,n2` → `n1` (what `scontrol show hostnames | head -1` prints). `None` for an empty list.

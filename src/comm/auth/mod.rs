@@ -259,22 +259,32 @@ pub fn expect_rank(peer: &Identity, rank: usize, world_size: usize) -> CommResul
     Ok(())
 }
 
+/// Where a TCP rank's secret came from (see [`job_secret`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SecretFrom {
+    /// The config or `SHARDLAB_SECRET`.
+    Given,
+    /// Drawn by rank 0 for this run: to publish once its store listens (`local_secret.rs`).
+    Drawn,
+    /// Rank 0's file: read again if the store refuses it.
+    File,
+}
+
 /// The secret a TCP rank uses (what `init_tcp` puts into its config): `cfg.secret`, else
 /// `SHARDLAB_SECRET`, else — only when the store is reachable over loopback alone — a fresh one
-/// for this run that rank 0 leaves in a file only this user can read (`local_secret.rs`; rank 0
-/// also gets the file, to keep until the group has formed); otherwise a clear error. See the
-/// module docs.
+/// for this run that rank 0 leaves in a file only this user can read (`local_secret.rs`);
+/// otherwise a clear error. See the module docs.
 pub(crate) fn job_secret(
     cfg: &super::CommConfig,
     rank: usize,
     master_addr: &str,
     master_port: u16,
-) -> CommResult<(Secret, Option<local_secret::SecretFile>)> {
+) -> CommResult<(Secret, SecretFrom)> {
     if let Some(s) = &cfg.secret {
-        return Ok((s.clone(), None));
+        return Ok((s.clone(), SecretFrom::Given));
     }
     if let Some(s) = Secret::from_env()? {
-        return Ok((s, None));
+        return Ok((s, SecretFrom::Given));
     }
     let bind_loopback =
         rank != 0 || cfg.store_bind.parse::<std::net::IpAddr>().map(|ip| ip.is_loopback()).unwrap_or(true);
@@ -295,9 +305,19 @@ pub(crate) fn job_secret(
         )));
     }
     if rank == 0 {
-        let (s, f) = local_secret::publish(&cfg.job_id, master_port)?;
-        Ok((s, Some(f)))
-    } else {
-        Ok((local_secret::fetch(&cfg.job_id, master_port, cfg.rendezvous_timeout)?, None))
+        return Ok((Secret::generate()?, SecretFrom::Drawn));
+    }
+    let deadline = std::time::Instant::now() + cfg.rendezvous_timeout;
+    match local_secret::fetch(&cfg.job_id, master_port, deadline, None) {
+        Ok(s) => Ok((s, SecretFrom::File)),
+        // No file and no store: rank 0 is not running (say that first).
+        Err(e) => match std::net::TcpStream::connect((master_addr, master_port)) {
+            Err(refused) => Err(CommError::Rendezvous(format!(
+                "could not reach the store at {master_addr}:{master_port} within {:?} ({refused}); is rank 0 running \
+                 and MASTER_ADDR/MASTER_PORT right? ({e})",
+                cfg.rendezvous_timeout
+            ))),
+            Ok(_) => Err(e),
+        },
     }
 }

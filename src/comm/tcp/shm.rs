@@ -199,7 +199,7 @@ impl Segment {
     }
     /// The ring from rank `p` (≠ the owner): the others' rings in rank order.
     fn slot(&self, p: usize) -> usize {
-        debug_assert_ne!(p, self.rank, "no ring from a rank to itself");
+        assert_ne!(p, self.rank, "no ring from a rank to itself");
         HEADER + (p - (p > self.rank) as usize) * (2 * LINE + self.ring)
     }
     pub fn path(&self) -> &Path {
@@ -381,9 +381,13 @@ pub(super) fn host_id() -> String {
 /// The pid namespace (the inode of `/proc/self/ns/pid`) keeps containers that share `/dev/shm`
 /// but not process ids from judging each other's segments.
 fn own_prefix() -> String {
+    format!("shardlab-{}-", pid_namespace().unwrap_or(0))
+}
+
+/// The inode of this process's pid namespace (`None` where /proc does not say).
+fn pid_namespace() -> Option<u64> {
     use std::os::unix::fs::MetadataExt;
-    let ns = std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0);
-    format!("shardlab-{ns}-")
+    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).ok()
 }
 
 /// Remove the segments in `dir` that processes of this pid namespace made and that are dead
@@ -391,6 +395,9 @@ fn own_prefix() -> String {
 /// and their bytes. Only regular files of this user; a segment of a live process is kept.
 pub(super) fn sweep_dead(dir: &Path) -> (usize, u64) {
     use std::os::unix::fs::MetadataExt;
+    if pid_namespace().is_none() {
+        return (0, 0); // whose pids the names hold cannot be told: keep everything
+    }
     let prefix = own_prefix();
     let (mut n, mut bytes) = (0, 0);
     let Ok(entries) = std::fs::read_dir(dir) else { return (0, 0) };
