@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod comm;
+pub mod corpus;
 pub mod data;
 pub mod ddp;
 pub mod device;
