@@ -186,7 +186,7 @@ impl Gpt {
     }
 
     /// `x · wᵀ + b` in the compute kind.
-    fn lin(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+    pub(super) fn lin(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
         match self.precision {
             Precision::Fp32 => x.linear(w, Some(b)),
             _ => self.cast(x).linear(&self.cast(w), Some(self.cast(b))),
@@ -194,17 +194,17 @@ impl Gpt {
     }
 
     /// LayerNorm over the last dimension, in the input's kind (the residual stream's: fp32).
-    fn ln(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+    pub(super) fn ln(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
         let k = x.kind();
         x.layer_norm([self.cfg.n_embd], Some(w.to_kind(k)), Some(b.to_kind(k)), LN_EPS, false)
     }
 
-    fn p(&self, i: usize) -> &Tensor {
+    pub(super) fn p(&self, i: usize) -> &Tensor {
         &self.params[i].1
     }
 
     /// Index of block `l`'s first parameter (12 per block, after wte and wpe).
-    fn block_base(l: usize) -> usize {
+    pub(super) fn block_base(l: usize) -> usize {
         2 + 12 * l
     }
 

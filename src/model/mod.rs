@@ -9,9 +9,11 @@
 //! calling the strategy's hooks after each — the moment DDP may start all-reducing that stage's
 //! gradients (lesson 05) and FSDP may free and re-shard its parameters.
 
+mod generate;
 mod gpt;
 mod mlp;
 
+pub use generate::{sample_next, KvCache, Sampling};
 pub use gpt::{Gpt, GptConfig};
 pub use mlp::{Mlp, MlpConfig};
 
