@@ -104,8 +104,11 @@ impl Meta {
     }
     /// Read `dir/meta.json`.
     pub fn read(dir: &Path) -> anyhow::Result<Meta> {
-        let p = dir.join("meta.json");
-        let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+        Self::read_file(&dir.join("meta.json"))
+    }
+    /// Read a meta.json file.
+    pub fn read_file(p: &Path) -> anyhow::Result<Meta> {
+        let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         serde_json::from_str(&text).with_context(|| format!("{} is not a corpus meta.json", p.display()))
     }
 }
@@ -143,7 +146,8 @@ fn le_bytes(ids: &[u16]) -> Vec<u8> {
 }
 
 /// Join the documents (a blank line between them); the index of the first validation document:
-/// the one the 90 % point falls in (so validation holds at least 10 %, in whole documents).
+/// the one the 90 % point falls in (so validation holds at least 10 %, in whole documents —
+/// unless the first document alone holds more than 90 %: then validation is all the others).
 fn split_point(docs: &[Document]) -> usize {
     let total: usize = docs.iter().map(|d| d.text.chars().count()).sum::<usize>() + 2 * docs.len().saturating_sub(1);
     let mut end = 0;
@@ -203,7 +207,13 @@ pub fn build_char_layout(docs: &[Document], out: &Path, source: &str) -> anyhow:
 /// hold whole u16 ids inside the vocabulary, and as many as it says. Returns the meta.
 pub fn check_char_layout(dir: &Path) -> anyhow::Result<Meta> {
     let meta = Meta::read(dir)?;
-    meta.vocab()?;
+    let vocab = meta.vocab()?;
+    // The vocabulary is the sorted characters, and stoi its exact inverse (a reordered itos would
+    // decode to garbage and pass every other check).
+    ensure!(vocab.itos.windows(2).all(|w| w[0] < w[1]), "meta.json: itos is not in sorted order");
+    let inverse: BTreeMap<String, u16> = meta.itos.iter().enumerate().map(|(i, c)| (c.clone(), i as u16)).collect();
+    ensure!(meta.stoi == inverse, "meta.json: stoi is not the inverse of itos");
+    let mut seen = vec![false; meta.vocab_size];
     for (file, sha, n) in
         [("train.bin", &meta.train_sha256, meta.train_tokens), ("val.bin", &meta.val_sha256, meta.val_tokens)]
     {
@@ -211,9 +221,16 @@ pub fn check_char_layout(dir: &Path) -> anyhow::Result<Meta> {
         let bytes = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
         ensure!(&sha256_hex(&bytes) == sha, "{}: sha256 differs from meta.json's (damaged or replaced)", p.display());
         ensure!(bytes.len() == 2 * n, "{}: {} bytes, meta.json says {n} tokens", p.display(), bytes.len());
-        let top = bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).max().unwrap_or(0);
-        ensure!((top as usize) < meta.vocab_size, "{}: id {top} is outside the vocabulary", p.display());
+        for c in bytes.chunks_exact(2) {
+            let id = u16::from_le_bytes([c[0], c[1]]) as usize;
+            ensure!(id < meta.vocab_size, "{}: id {id} is outside the vocabulary", p.display());
+            seen[id] = true;
+        }
     }
+    // Every character of the vocabulary occurs (the newline at least joins documents).
+    let unused: Vec<&String> =
+        meta.itos.iter().zip(&seen).filter(|(c, s)| !**s && c.as_str() != "\n").map(|(c, _)| c).collect();
+    ensure!(unused.is_empty(), "meta.json: characters {unused:?} occur in neither file");
     Ok(meta)
 }
 
@@ -264,8 +281,18 @@ mod tests {
         for f in ["train.bin", "val.bin", "meta.json"] {
             assert_eq!(std::fs::read(out.join(f)).unwrap(), std::fs::read(again.join(f)).unwrap(), "{f}");
         }
-        // An existing folder is not overwritten; a flipped byte is caught.
+        // An existing folder is not overwritten; a flipped byte is caught, and so is a meta.json
+        // whose vocabulary was reordered (it would decode to garbage).
         assert!(build_char_layout(&docs(), &out, "test").is_err());
+        let mut swapped = m.clone();
+        swapped.itos.swap(3, 4);
+        std::fs::write(out.join("meta.json"), serde_json::to_string(&swapped).unwrap()).unwrap();
+        assert!(check_char_layout(&out).unwrap_err().to_string().contains("sorted"));
+        let mut bad = m.clone();
+        bad.stoi.insert(m.itos[3].clone(), 4);
+        std::fs::write(out.join("meta.json"), serde_json::to_string(&bad).unwrap()).unwrap();
+        assert!(check_char_layout(&out).unwrap_err().to_string().contains("inverse"));
+        std::fs::write(out.join("meta.json"), serde_json::to_string(&m).unwrap()).unwrap();
         let mut b = std::fs::read(out.join("val.bin")).unwrap();
         b[0] ^= 1;
         std::fs::write(out.join("val.bin"), b).unwrap();

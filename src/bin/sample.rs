@@ -10,8 +10,10 @@
 //! `--init` is a safetensors file with nanoGPT's names (`train --save`, or `consolidate` of a
 //! sharded checkpoint of any layout). `--meta` is the corpus's `meta.json` (characters ↔ ids);
 //! without it the start is a list of ids and ids are printed. The same seed gives the same text.
-//! `--bench` times decoding `--max-new-tokens` tokens from a one-token prompt with and without the
-//! KV cache (the same tokens either way), with the given shape and random weights unless `--init`.
+//! `--bench` times decoding `--max-new-tokens` tokens (at most block_size − 1: past the context
+//! window both ways run the whole cropped context, and the cache gains nothing) from a one-token
+//! prompt with and without the KV cache (the same tokens either way), with the given shape and
+//! random weights unless `--init`.
 
 use anyhow::Context;
 use clap::Parser;
@@ -36,7 +38,7 @@ struct Args {
     n_embd: i64,
     #[arg(long, default_value_t = 256)]
     block_size: i64,
-    /// Vocabulary size [default: meta.json's, else 65].
+    /// Vocabulary size [default: meta.json's; required without --meta].
     #[arg(long)]
     vocab_size: Option<i64>,
     /// The prompt: text (with --meta) or comma-separated ids.
@@ -61,22 +63,27 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     tch::set_num_threads(std::env::var("OMP_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1));
-    let meta = a.meta.as_deref().map(|p| Meta::read(p.parent().unwrap_or(p))).transpose()?;
+    let meta = a.meta.as_deref().map(Meta::read_file).transpose()?;
     let vocab = meta.as_ref().map(|m| m.vocab()).transpose()?;
-    let cfg = GptConfig {
-        vocab_size: a.vocab_size.or(meta.as_ref().map(|m| m.vocab_size as i64)).unwrap_or(65),
-        block_size: a.block_size,
-        n_layer: a.n_layer,
-        n_head: a.n_head,
-        n_embd: a.n_embd,
+    let vocab_size = match (a.vocab_size, &meta) {
+        (Some(v), Some(m)) if v < m.vocab_size as i64 => {
+            anyhow::bail!("--vocab-size {v} is smaller than meta.json's {}", m.vocab_size)
+        }
+        (Some(v), _) => v,
+        (None, Some(m)) => m.vocab_size as i64,
+        (None, None) => anyhow::bail!("give --meta (the corpus's meta.json) or --vocab-size"),
     };
+    let cfg =
+        GptConfig { vocab_size, block_size: a.block_size, n_layer: a.n_layer, n_head: a.n_head, n_embd: a.n_embd };
     let model = Gpt::new(cfg, a.seed)?;
     if let Some(p) = &a.init {
         model.load_safetensors(p).with_context(|| format!("loading {} into a GPT of {cfg:?}", p.display()))?;
     }
     let sampling = Sampling { temperature: a.temperature, top_k: (a.top_k > 0).then_some(a.top_k) };
     if a.bench {
+        // Within the context window: past block_size both ways run the whole cropped context.
         let n = a.max_new_tokens.min(cfg.block_size as usize - 1);
+        anyhow::ensure!(n > 0, "--bench needs --max-new-tokens ≥ 1 and --block-size ≥ 2");
         let time = |cached: bool| {
             let t = Instant::now();
             let out = model.generate(&[0], n, sampling, a.seed, cached);
@@ -100,6 +107,10 @@ fn main() -> anyhow::Result<()> {
             .map(|s| s.trim().parse::<i64>().context("--start: ids without --meta"))
             .collect::<Result<_, _>>()?,
     };
+    anyhow::ensure!(!prompt.is_empty(), "--start is empty: give at least one character (or id)");
+    if let Some(bad) = prompt.iter().find(|&&i| i < 0 || i >= cfg.vocab_size) {
+        anyhow::bail!("--start: id {bad} is outside the vocabulary (0..{})", cfg.vocab_size);
+    }
     let out = model.generate(&prompt, a.max_new_tokens, sampling, a.seed, !a.no_cache);
     match &vocab {
         Some(v) => println!("{}", v.decode(&out.iter().map(|&i| i as u16).collect::<Vec<_>>())?),

@@ -155,7 +155,7 @@ mod tests {
     }
 
     /// The cached forward gives the full forward's logits at every position: fed all at once,
-    /// token by token, and as a prompt then tokens.
+    /// and as a prompt, a chunk, then single tokens.
     #[test]
     fn cached_logits_equal_the_full_forward_at_every_position() {
         let _g = tch::no_grad_guard();
@@ -165,9 +165,11 @@ mod tests {
         let mut c = KvCache::default();
         let at_once = m.logits_cached(&Tensor::from_slice(&ids).unsqueeze(0), &mut c);
         assert!(at_once.allclose(&full, 1e-5, 1e-5, false));
+        // A prompt, a chunk of four appended to the non-empty cache, then one token at a time.
         let mut c = KvCache::default();
         let mut parts = vec![m.logits_cached(&Tensor::from_slice(&ids[..5]).unsqueeze(0), &mut c)];
-        for &id in &ids[5..] {
+        parts.push(m.logits_cached(&Tensor::from_slice(&ids[5..9]).unsqueeze(0), &mut c));
+        for &id in &ids[9..] {
             parts.push(m.logits_cached(&Tensor::from_slice(&[id]).unsqueeze(0), &mut c));
         }
         let stepwise = Tensor::cat(&parts, 1);
