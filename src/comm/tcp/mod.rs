@@ -17,6 +17,7 @@ mod direct;
 mod engine;
 mod mesh;
 mod shm;
+mod shm_names;
 
 use super::config::{CommConfig, DataPath, Fault};
 use super::error::{CommError, CommResult};
@@ -229,7 +230,7 @@ fn shm_setup(rank: usize, world: usize, store: &mut StoreClient, cfg: &CommConfi
             let mut tag = [0u8; 8];
             getrandom::getrandom(&mut tag).map_err(|e| CommError::Io(format!("no random bytes from the OS: {e}")))?;
             let tag: String = tag.iter().map(|b| format!("{b:02x}")).collect();
-            let (n, bytes) = shm::sweep_dead(std::path::Path::new("/dev/shm"));
+            let (n, bytes) = shm_names::sweep_dead(std::path::Path::new("/dev/shm"));
             if n > 0 {
                 eprintln!(
                     "shardlab: rank {rank}: removed {n} shared-memory segment(s) ({} MiB) left in /dev/shm by killed ranks",

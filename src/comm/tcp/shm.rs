@@ -5,7 +5,7 @@
 //! Each rank creates one segment in `/dev/shm` (mode 0600, published in the authenticated store
 //! and unlinked once the group is up). Its name, `shardlab-<pid namespace>-<pid>-<random>-<rank>`,
 //! says who made it: a process killed before its group formed leaves its segment behind, and the
-//! next group formed on the machine removes the segments whose maker is dead ([`sweep_dead`]).
+//! next group formed on the machine removes the segments whose maker is dead (`shm_names.rs`).
 //! It holds the rank's *doorbell* and one inbound ring per peer (none for itself):
 //!
 //! ```text
@@ -82,7 +82,7 @@ impl Segment {
             .filter(|r| r.is_power_of_two() && *r >= 4096)
             .unwrap_or(RING);
         let exchange = exchange.next_multiple_of(LINE);
-        let path = dir.join(format!("{}{}-{tag}-{rank}", own_prefix(), std::process::id()));
+        let path = dir.join(format!("{}{}-{tag}-{rank}", super::shm_names::own_prefix(), std::process::id()));
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -377,50 +377,6 @@ pub(super) fn host_id() -> String {
     format!("{}/{}/{shm}", boot.trim(), String::from_utf8_lossy(&name[..end]))
 }
 
-/// This process's segment names begin with this: `shardlab-<pid namespace>-` (then the pid).
-/// The pid namespace (the inode of `/proc/self/ns/pid`) keeps containers that share `/dev/shm`
-/// but not process ids from judging each other's segments.
-fn own_prefix() -> String {
-    format!("shardlab-{}-", pid_namespace().unwrap_or(0))
-}
-
-/// The inode of this process's pid namespace (`None` where /proc does not say).
-fn pid_namespace() -> Option<u64> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).ok()
-}
-
-/// Remove the segments in `dir` that processes of this pid namespace made and that are dead
-/// (killed before their group formed, which is when a segment is unlinked). Returns how many
-/// and their bytes. Only regular files of this user; a segment of a live process is kept.
-pub(super) fn sweep_dead(dir: &Path) -> (usize, u64) {
-    use std::os::unix::fs::MetadataExt;
-    if pid_namespace().is_none() {
-        return (0, 0); // whose pids the names hold cannot be told: keep everything
-    }
-    let prefix = own_prefix();
-    let (mut n, mut bytes) = (0, 0);
-    let Ok(entries) = std::fs::read_dir(dir) else { return (0, 0) };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)).and_then(|r| r.split('-').next()) else {
-            continue;
-        };
-        let Ok(pid) = pid.parse::<libc::pid_t>() else { continue };
-        let Ok(meta) = std::fs::symlink_metadata(e.path()) else { continue };
-        if !meta.is_file() || meta.uid() != unsafe { libc::geteuid() } || pid <= 0 {
-            continue;
-        }
-        let dead =
-            unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-        if dead && std::fs::remove_file(e.path()).is_ok() {
-            n += 1;
-            bytes += meta.blocks() * 512;
-        }
-    }
-    (n, bytes)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -442,35 +398,5 @@ mod tests {
         assert_eq!(other.slot(3), seg.slot(3));
         let e = Segment::open(seg.path(), 1, 4).err().expect("another rank's claim is refused");
         assert!(e.to_string().contains("rank 1's"), "{e}");
-    }
-
-    /// Leftovers of dead processes of this pid namespace go; a live process's segment, another
-    /// namespace's and files that are not segments stay.
-    #[test]
-    fn segments_of_dead_processes_are_swept() {
-        let dir = std::env::temp_dir().join(format!("shardlab-sweep-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
-        child.wait().unwrap();
-        let me = std::process::id();
-        let p = own_prefix();
-        let files = [
-            (format!("{p}{dead}-ab-0"), true),
-            (format!("{p}{me}-cd-1"), false),
-            (format!("shardlab-1-{dead}-ef-0"), p == "shardlab-1-"),
-            (format!("{p}notapid-0"), false),
-            ("other".to_string(), false),
-        ];
-        for (f, _) in &files {
-            std::fs::write(dir.join(f), vec![1u8; 8192]).unwrap();
-        }
-        let (n, bytes) = sweep_dead(&dir);
-        for (f, gone) in &files {
-            assert_eq!(!dir.join(f).exists(), *gone, "{f}");
-        }
-        assert_eq!(n, files.iter().filter(|f| f.1).count());
-        assert!(bytes >= 8192 * n as u64);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
