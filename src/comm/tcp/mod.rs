@@ -230,13 +230,17 @@ fn shm_setup(rank: usize, world: usize, store: &mut StoreClient, cfg: &CommConfi
             let mut tag = [0u8; 8];
             getrandom::getrandom(&mut tag).map_err(|e| CommError::Io(format!("no random bytes from the OS: {e}")))?;
             let tag: String = tag.iter().map(|b| format!("{b:02x}")).collect();
-            let (n, bytes) = shm_names::sweep_dead(std::path::Path::new("/dev/shm"));
-            if n > 0 {
-                eprintln!(
-                    "shardlab: rank {rank}: removed {n} shared-memory segment(s) ({} MiB) left in /dev/shm by killed ranks",
-                    bytes >> 20
-                );
-            }
+            // Once per process: a subgroup formed later would only find what this sweep left.
+            static SWEPT: std::sync::Once = std::sync::Once::new();
+            SWEPT.call_once(|| {
+                let (n, bytes) = shm_names::sweep_dead(std::path::Path::new("/dev/shm"));
+                if n > 0 {
+                    eprintln!(
+                        "shardlab: rank {rank}: removed {n} shared-memory segment(s) ({} MiB) left in /dev/shm by killed ranks",
+                        bytes >> 20
+                    );
+                }
+            });
             match shm::Segment::create(std::path::Path::new("/dev/shm"), &tag, rank, world, cfg.shm_exchange_bytes) {
                 Ok(s) => Some(Arc::new(s)),
                 Err(e) if want == DataPath::Shm => {

@@ -2,8 +2,8 @@
 //!
 //! A segment is named `shardlab-<pid namespace>-<pid>-<random>-<rank>`: who made it. It is
 //! unlinked once its group has formed, so a name still in `/dev/shm` belongs to a group that is
-//! forming or to a rank killed before its group formed; the next group formed on the machine
-//! removes the latter ([`sweep_dead`]).
+//! forming or to a rank killed before its group formed; the next process to form a group on
+//! the machine removes the latter ([`sweep_dead`], once per process).
 
 use std::path::Path;
 
