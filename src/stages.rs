@@ -181,6 +181,25 @@ pub fn forward_backward(
     Ok(loss)
 }
 
+/// The forward of every stage under `no_grad`, between the strategy's forward hooks (evaluation:
+/// no graph, no backward hook, nothing to reduce), then [`StageHooks::end`]. Returns the loss.
+/// What a hook gathered and kept (ZeRO-3 without resharding after forward) is the caller's to free.
+pub fn forward_only(model: &dyn Model, batch: &Batch, hooks: &mut dyn StageHooks) -> CommResult<f64> {
+    let n = model.num_stages();
+    if n == 0 {
+        return Err(CommError::InvalidArgument("a model needs at least one stage".into()));
+    }
+    hooks.begin()?;
+    let mut x = Tensor::new();
+    for s in 0..n {
+        hooks.pre_forward(s)?;
+        x = tch::no_grad(|| model.stage_forward(s, &x, batch));
+        hooks.post_forward(s, true)?;
+    }
+    hooks.end()?;
+    Ok(x.double_value(&[]))
+}
+
 /// Hooks that add each stage's gradients into the parameters' `.grad` (as `loss.backward()`
 /// does), then call `on_stage_done(s)` — the replicated strategies' hooks.
 pub struct AccumulateGrads<F: FnMut(usize) -> CommResult<()>> {

@@ -391,6 +391,7 @@ fn resuming_a_job_continues_it_exactly() {
         init: None,
         save: Some(dir.join(save)),
         checkpoint: ck,
+        eval: Default::default(),
     };
     let scaling = |n: usize, strategy: Strategy, precision: Precision| ScalingConfig {
         num_workers: n,
@@ -653,6 +654,7 @@ fn a_three_d_job_resumes_at_its_layout_and_at_another() {
         init: None,
         save: Some(dir.join(save)),
         checkpoint: ck,
+        eval: Default::default(),
     };
     let three_d = ScalingConfig {
         num_workers: 8,

@@ -28,6 +28,7 @@ fn job(dir: &Path, save: &str) -> GptJob {
         init: None,
         save: Some(dir.join(save)),
         checkpoint: CheckpointConfig { dir: Some(dir.join("ck")), every: 2, ..Default::default() },
+        eval: Default::default(),
     }
 }
 

@@ -46,6 +46,7 @@ fn job(dir: &Path, batch_size: usize, save: &str) -> GptJob {
         init: None,
         save: Some(dir.join(save)),
         checkpoint: Default::default(),
+        eval: Default::default(),
     }
 }
 

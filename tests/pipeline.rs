@@ -231,6 +231,7 @@ fn a_job_with_pp_trains_like_ddp() {
         init: None,
         save: None,
         checkpoint: Default::default(),
+        eval: Default::default(),
     };
     let fit = |pipeline: PipelineConfig, strategy: Strategy, save: &str| {
         let s = ScalingConfig { num_workers: 4, strategy, pipeline, ..ScalingConfig::default() };

@@ -578,6 +578,7 @@ fn a_job_with_tp_trains_like_ddp() {
         init: None,
         save: None,
         checkpoint: Default::default(),
+        eval: Default::default(),
     };
     let fit_sp = |tp: usize, strategy: Strategy, sequence_parallel: bool| {
         let s = ScalingConfig {

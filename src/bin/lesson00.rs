@@ -64,6 +64,7 @@ fn main() -> anyhow::Result<()> {
         init: None,
         save: None,
         checkpoint: Default::default(),
+        eval: Default::default(),
     };
     if !a.json {
         println!(

@@ -58,6 +58,7 @@ fn main() -> anyhow::Result<()> {
         init: None,
         save: Some(dir.join(save)),
         checkpoint: Default::default(),
+        eval: Default::default(),
     };
     // Process ranks re-run this program up to the first fit: the data-parallel run comes first.
     let ddp = mk(args.world_size, "ddp.safetensors");

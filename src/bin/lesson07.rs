@@ -52,6 +52,7 @@ fn main() -> anyhow::Result<()> {
         init: None,
         save: None,
         checkpoint: Default::default(),
+        eval: Default::default(),
     };
     let strategies = [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3];
     // The ZeRO model for fp32 AdamW (4-byte weights and gradients, K = 8), from shardlab::memory.

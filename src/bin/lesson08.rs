@@ -90,6 +90,7 @@ fn main() -> anyhow::Result<()> {
         init: None,
         save: None,
         checkpoint: Default::default(),
+        eval: Default::default(),
     };
     let ours = |strategy: Strategy, n: usize, p: Precision, reduce: Precision, job: GptJob| {
         job::run_isolated(&OneRun {

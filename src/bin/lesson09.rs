@@ -97,6 +97,7 @@ fn main() -> anyhow::Result<()> {
         init: None,
         save: None,
         checkpoint: Default::default(),
+        eval: Default::default(),
     };
     // One run: (peak RSS bytes, median step seconds, final loss), in a fresh process.
     let run = |pytorch: bool, model: GptConfig, batch: usize, policy: Checkpointing, timing: bool| {

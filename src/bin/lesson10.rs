@@ -65,6 +65,7 @@ fn gpt_job(dir: &Path, a: &Args, world: usize) -> GptJob {
         init: None,
         save: Some(dir.join("final.safetensors")),
         checkpoint: CheckpointConfig { dir: Some(dir.join("ck")), every: a.save_every, ..Default::default() },
+        eval: Default::default(),
     }
 }
 

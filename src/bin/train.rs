@@ -7,11 +7,17 @@
 //! cargo run --release --bin train -- --strategy ddp --world-size 4 --tp 2 --steps 30   # dp 2 × tp 2 (lesson 12)
 //! cargo run --release --bin train -- --tp 2 --pp 2 --strategy zero3 --world-size 8    # dp 2 × tp 2 × pp 2 (lesson 13)
 //! cargo run --release --bin launch -- --nproc-per-node 2 -- train --strategy ddp --steps 30   # ranks started by `launch`
+//! cargo run --release --bin train -- --data data/shakespeare_char --eval-interval 100 --checkpoint-dir ck  # lesson 14
 //! cargo run --release --bin train -- --eval-only --init out.safetensors --data val.bin
 //! ```
 //!
-//! Data: `--data FILE` (little-endian u16 token ids, nanoGPT's `train.bin` format) or the
-//! synthetic arithmetic corpus (`--synthetic-tokens N`, the default). Learning rate and clipping
+//! Data: `--data DIR` (nanoGPT's layout: `train.bin`, `val.bin` and `meta.json`, whose
+//! `vocab_size` the model takes; `cargo run --release --bin data -- shakespeare` writes one),
+//! `--data FILE` (little-endian u16 token ids, nanoGPT's `train.bin` format, no val split) or the
+//! synthetic arithmetic corpus (`--synthetic-tokens N`, the default). `--eval-interval N` evaluates
+//! both splits every N steps and after the last (`--eval-iters` batches each, nanoGPT's
+//! `estimate_loss`): `train_loss` and `val_loss` lines, and with `--checkpoint-dir` the best val
+//! loss's checkpoint in its `best/` folder. Learning rate and clipping
 //! as nanoGPT's: `--lr` (peak), `--warmup-iters`, `--lr-decay-iters`, `--min-lr`, `--grad-clip`
 //! (1.0; 0 = off). With `--json` every line is one JSON object: one per step (`loss`, `lr`,
 //! `grad_norm` — the global norm before clipping — and timings), the last a summary (`strategy`, `world_size`, `params`,
@@ -122,8 +128,9 @@ struct Args {
     n_embd: i64,
     #[arg(long, default_value_t = 128)]
     block_size: i64,
-    #[arg(long, default_value_t = 4096)]
-    vocab_size: i64,
+    /// The model's vocabulary (default: the data's meta.json vocab_size, else 4096).
+    #[arg(long)]
+    vocab_size: Option<i64>,
     /// Sequences per rank per step (nanoGPT's batch_size).
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
@@ -152,9 +159,19 @@ struct Args {
     grad_clip: f64,
     #[arg(long, default_value_t = 0.1)]
     weight_decay: f64,
-    /// Token file (little-endian u16 ids).
+    /// The data: a folder in nanoGPT's layout (train.bin, val.bin, meta.json: `cargo run
+    /// --release --bin data -- shakespeare` writes data/shakespeare_char), or a token file
+    /// (little-endian u16 ids, no val split).
     #[arg(long)]
     data: Option<std::path::PathBuf>,
+    /// Evaluate every N steps (and after the last): the mean loss of --eval-iters batches of each
+    /// split, train_loss and val_loss (nanoGPT's eval_interval); with --checkpoint-dir, the best
+    /// val loss's checkpoint is kept in CHECKPOINT_DIR/best. 0: never.
+    #[arg(long, default_value_t = 0)]
+    eval_interval: u64,
+    /// Batches per split per evaluation (nanoGPT's eval_iters).
+    #[arg(long, default_value_t = 20)]
+    eval_iters: usize,
     /// Size of the synthetic corpus when no --data is given.
     #[arg(long, default_value_t = 1_000_000)]
     synthetic_tokens: usize,
@@ -189,10 +206,21 @@ struct Args {
 }
 
 impl Args {
+    fn data(&self) -> DataSource {
+        match &self.data {
+            Some(p) => DataSource::from_path(p.clone()),
+            None => DataSource::Synthetic { tokens: self.synthetic_tokens, seed: self.seed },
+        }
+    }
+    /// --vocab-size, else the data's, else 4096.
+    fn vocab_size(&self) -> i64 {
+        let from_data = self.data().vocab_size().ok().flatten().map(|v| v as i64);
+        self.vocab_size.or(from_data).unwrap_or(4096)
+    }
     fn job(&self) -> GptJob {
         GptJob {
             model: GptConfig {
-                vocab_size: self.vocab_size,
+                vocab_size: self.vocab_size(),
                 block_size: self.block_size,
                 n_layer: self.n_layer,
                 n_head: self.n_head,
@@ -210,10 +238,7 @@ impl Args {
                 decay_iters: self.lr_decay_iters.unwrap_or(self.steps),
             }),
             grad_clip: (self.grad_clip != 0.0).then_some(self.grad_clip),
-            data: match &self.data {
-                Some(p) => DataSource::File(p.clone()),
-                None => DataSource::Synthetic { tokens: self.synthetic_tokens, seed: self.seed },
-            },
+            data: self.data(),
             seed: self.seed,
             init: self.init.clone(),
             save: self.save.clone(),
@@ -224,6 +249,7 @@ impl Args {
                 keep_last: self.keep_last,
                 resume: self.resume.clone(),
             },
+            eval: job::EvalConfig { interval: self.eval_interval, iters: self.eval_iters },
         }
     }
 }
@@ -234,7 +260,11 @@ fn eval(args: &Args) -> anyhow::Result<()> {
         tch::set_num_threads(t);
     }
     let job = args.job();
-    let data = job.data.load()?;
+    // A folder's held-out split; a token file is evaluated whole.
+    let data = match job.data.load_val()? {
+        Some(val) if matches!(job.data, DataSource::Dir(_)) => val,
+        _ => job.data.load()?,
+    };
     let t = job.model.block_size as usize;
     data.check(job.model.vocab_size, job.model.block_size)?;
     let model = job.build_model()?;
@@ -431,6 +461,17 @@ fn main() -> anyhow::Result<()> {
         }
         if s.skipped_steps > 0 {
             println!("fp16: {} step(s) skipped by the loss scaler (gradient overflow)", s.skipped_steps);
+        }
+        if let Some(last) = s.evals.last() {
+            let best = s.evals.iter().map(|e| e.val_loss).fold(f64::INFINITY, f64::min);
+            println!(
+                "after {} steps: train loss {:.4}, val loss {:.4} (best this run {best:.4}; {} batches of {} rows per split)",
+                last.step,
+                last.train_loss,
+                last.val_loss,
+                args.eval_iters,
+                args.batch_size * s.world_size
+            );
         }
         if let Some(p) = &args.save {
             println!("saved {}", p.display());

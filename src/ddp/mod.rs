@@ -48,6 +48,12 @@ pub trait DataParallel {
     /// [`no_sync`](Self::no_sync), gradients are then averaged over the group. Returns the
     /// unscaled local loss.
     fn backward(&mut self, batch: &Batch, scale: f64) -> CommResult<f64>;
+    /// The local mean loss of this rank's `batch`, forward alone (evaluation: no graph, no
+    /// gradient, nothing reduced; a sharded strategy gathers what the forward needs and frees it
+    /// after). Replicated strategies: the model's forward under `no_grad`.
+    fn eval_loss(&mut self, batch: &Batch) -> CommResult<f64> {
+        Ok(tch::no_grad(|| self.model().loss(batch)).double_value(&[]))
+    }
     /// Turn gradient synchronisation off (`false`) or back on.
     fn set_require_sync(&mut self, on: bool);
     /// Whether the last backward ran inside `no_sync` or failed, leaving gradients that were never

@@ -269,6 +269,22 @@ impl Engine {
         Ok(Trained { loss, norm: stepped.norm, pipeline })
     }
 
+    /// The mean loss of the global batch whose replica rows are `batch`, with no update
+    /// (evaluation): the piece's forward and backward as in training
+    /// ([`forward_backward_accum`](Self::forward_backward_accum), ZeRO-3's gathers included), the
+    /// gradients dropped, the loss averaged over dp. Pieces have no forward-only schedule yet (a
+    /// pipeline's would be a schedule of its own), so an evaluation costs what a step's forward
+    /// and backward cost; nothing the rank holds changes.
+    pub fn eval_loss(&mut self, batch: &Batch, accum: i64) -> CommResult<f64> {
+        let step = self.forward_backward_accum(batch, accum)?;
+        let dp = self.mesh.group("dp");
+        let mut l = Tensor::from_slice(&[step.loss]);
+        if dp.world_size() > 1 {
+            dp.all_reduce(&mut l, ReduceOp::Avg).map_err(|e| abort(&self.mesh, e))?;
+        }
+        Ok(l.double_value(&[0]))
+    }
+
     /// One training step with `accum` micro-batches of gradient accumulation:
     /// [`forward_backward_accum`](Self::forward_backward_accum), then [`apply`](Self::apply).
     pub fn train_step_accum(

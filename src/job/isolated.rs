@@ -147,6 +147,7 @@ impl GptJob {
             init: None,
             save: None,
             checkpoint: Default::default(),
+            eval: Default::default(),
         }
     }
 }

@@ -128,12 +128,13 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     let mut engine = parallelize(ctx.group(), &plan, &job.model, &build)?;
     let data = job.data.load()?;
     let mut opt = AdamW::new(job.optim);
-    let mut start = 0;
+    let (mut start, mut resumed_best) = (0, None);
     let (mut save_s, mut save_bytes, mut load_s, mut load_bytes) = (0.0, 0, 0.0, 0);
     if let Some(from) = &job.checkpoint.resume {
         let r = crate::checkpoint::load(&mut engine, &mut opt, from)?;
         (load_s, load_bytes) = (r.seconds, r.bytes);
         job.check_resumable(&r.extra, n)?;
+        resumed_best = r.extra.get("best_val_loss").and_then(|v| v.as_f64());
         start = r.step;
         anyhow::ensure!(
             start <= job.steps,
@@ -144,6 +145,11 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     }
     let dp = engine.mesh().coord("dp");
     let sampler = DistributedSampler::new(job.model.block_size as usize, job.batch_size * n, dp, dims.dp, job.seed)?;
+    let mut evals = super::eval::Evaluator::new(job, dp, dims.dp, n)?;
+    if let (Some(ev), Some(b)) = (evals.as_mut(), resumed_best) {
+        ev.best = b;
+    }
+    let layout = dims.name(plan.data, s.sequence_parallel);
     let tokens_per_step = (job.batch_size * n) as f64 * job.model.block_size as f64;
     let (mut step_s, mut losses, mut norms, mut bubbles) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut peak_in_flight = 0;
@@ -152,7 +158,22 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     let sent0 = sent(ctx, &engine);
     crate::bench::reset_peak_rss();
     let warmup = (start + job.warmup).min(job.steps.saturating_sub(1));
-    for step in start..job.steps {
+    for step in start..=job.steps {
+        if let Some(ev) = evals.as_mut().filter(|e| e.due(step, job.steps)) {
+            let (p, best) = ev.evaluate(step, &data, |b| engine.eval_loss(b, job.accum))?;
+            ctx.report(ev.line(&p))?;
+            if let (true, Some(dir)) = (best && step > 0, &job.checkpoint.dir) {
+                let extra = json!({"job": job, "strategy": s.strategy, "world_size": n, "layout": layout,
+                                   "precision": s.precision, "scaler": null, "loss": losses.last(),
+                                   "val_loss": p.val_loss, "best_val_loss": ev.best});
+                let r = super::eval::save_best(&engine, &opt, dir, step, extra)?;
+                save_s += r.seconds;
+                save_bytes += r.bytes;
+            }
+        }
+        if step == job.steps {
+            break;
+        }
         crate::launch::injected_failure("step", ctx.rank(), step)?;
         let batch = sampler.batch(&data, step);
         ctx.group().barrier()?;
@@ -187,8 +208,9 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
         if let Some(dir) = &job.checkpoint.dir {
             let every = job.checkpoint.every > 0 && (step + 1) % job.checkpoint.every == 0;
             if every || (step + 1 == job.steps && job.checkpoint.at_end) {
-                let extra = json!({"job": job, "strategy": s.strategy, "world_size": n, "layout": dims.name(plan.data, s.sequence_parallel),
-                                   "precision": s.precision, "scaler": null, "loss": loss});
+                let extra = json!({"job": job, "strategy": s.strategy, "world_size": n, "layout": layout,
+                                   "precision": s.precision, "scaler": null, "loss": loss,
+                                   "best_val_loss": evals.as_ref().map(|e| e.best)});
                 let opts = crate::checkpoint::SaveOptions { keep_last: job.checkpoint.keep_last, ..Default::default() };
                 let r = crate::checkpoint::save(&engine, &opt, dir, step + 1, extra, &opts)
                     .map_err(|e| anyhow::anyhow!("step {step}: saving the checkpoint: {e:#}"))?;
@@ -200,6 +222,7 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     // The job's saves are over: its checkpoint folder is free for the next job.
     if let (Some(dir), 0) = (&job.checkpoint.dir, ctx.rank()) {
         crate::checkpoint::unlock_folder(dir);
+        crate::checkpoint::unlock_folder(&super::eval::best_dir(dir));
     }
     if let Some(p) = &job.save {
         let full = engine.full_parameters()?;
@@ -211,7 +234,8 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     let sent_per_step = (sent(ctx, &engine) - sent0) as f64 / (job.steps - start).max(1) as f64;
     let median = crate::bench::median(&mut step_s);
     Ok(RunSummary {
-        strategy: dims.name(plan.data, s.sequence_parallel),
+        strategy: layout,
+        evals: evals.map(|e| e.points).unwrap_or_default(),
         variant: (dims.pp > 1)
             .then(|| format!("{:?}, {} micro-batches", s.pipeline.schedule, s.pipeline.micro_batches)),
         world_size: n,

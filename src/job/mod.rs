@@ -7,15 +7,20 @@
 //! * [`elastic`] — the supervisor that restarts a failed job from its checkpoints ([`GptJob::fit_elastic`]);
 //! * [`isolated`] — one run described completely and run in a fresh process ([`OneRun`],
 //!   [`run_isolated`]), as the lesson bins' measurements and benchmarks do;
+//! * [`eval`] — periodic evaluation on both splits and the best val loss's checkpoint;
+//! * [`restore`] — a trained model back from a checkpoint of any layout, for inference;
 //! * [`pytorch`] — the same job run by PyTorch (`benches/torch_gpt.py`), for like-for-like comparisons.
 
 pub mod elastic;
+pub mod eval;
 pub mod isolated;
 pub mod mesh_run;
 pub mod pytorch;
+pub mod restore;
 pub mod step_loop;
 
 pub use elastic::{Attempt, Elastic};
+pub use eval::{EvalConfig, EvalPoint};
 pub use isolated::{run_isolated, run_isolated_with_env, run_one_if_asked, scaling, OneRun, TempCorpus};
 pub use pytorch::{pytorch_train, pytorch_train_with, PyTorchOptions};
 
@@ -30,17 +35,49 @@ use std::path::PathBuf;
 /// Where the tokens come from.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum DataSource {
-    /// A token file (little-endian u16 ids).
+    /// A token file (little-endian u16 ids); no held-out split.
     File(PathBuf),
-    /// The synthetic arithmetic corpus: this many tokens from this seed.
+    /// A folder in nanoGPT's layout: `train.bin`, `val.bin` and `meta.json` (its vocabulary;
+    /// [`crate::corpus`], `cargo run --release --bin data -- shakespeare`).
+    Dir(PathBuf),
+    /// The synthetic arithmetic corpus: this many tokens from this seed (and, held out, a tenth as
+    /// many from another seed).
     Synthetic { tokens: usize, seed: u64 },
 }
 
 impl DataSource {
+    /// `path` as a source: a folder is nanoGPT's layout, a file a token file.
+    pub fn from_path(path: PathBuf) -> DataSource {
+        if path.is_dir() {
+            DataSource::Dir(path)
+        } else {
+            DataSource::File(path)
+        }
+    }
+    /// The tokens trained on.
     pub fn load(&self) -> anyhow::Result<Tokens> {
         match self {
             DataSource::File(p) => Tokens::read(p),
+            DataSource::Dir(d) => Tokens::read(d.join("train.bin")),
             DataSource::Synthetic { tokens, seed } => Ok(synthetic_corpus(*tokens, *seed)),
+        }
+    }
+    /// The held-out tokens (nanoGPT's `val` split), if the source has them.
+    pub fn load_val(&self) -> anyhow::Result<Option<Tokens>> {
+        match self {
+            DataSource::File(_) => Ok(None),
+            DataSource::Dir(d) => Tokens::read(d.join("val.bin")).map(Some),
+            // Another seed: sums the model has not seen in this order (the format is the same).
+            DataSource::Synthetic { tokens, seed } => {
+                Ok(Some(synthetic_corpus((*tokens / 10).max(1024), seed ^ 0x7661_6c5f_7370_6c74)))
+            }
+        }
+    }
+    /// The vocabulary the source declares (`meta.json`'s `vocab_size`), if any.
+    pub fn vocab_size(&self) -> anyhow::Result<Option<usize>> {
+        match self {
+            DataSource::Dir(d) => Ok(Some(crate::corpus::Meta::read(d)?.vocab_size)),
+            _ => Ok(None),
         }
     }
 }
@@ -72,6 +109,9 @@ pub struct GptJob {
     /// Distributed checkpoints (lesson 10): where, how often, and what to resume from.
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    /// Periodic evaluation on both splits (nanoGPT's `estimate_loss`); off by default.
+    #[serde(default)]
+    pub eval: EvalConfig,
 }
 
 /// Distributed checkpoints of a job ([`crate::checkpoint`]).
@@ -142,6 +182,9 @@ pub struct RunSummary {
     /// Under pipeline parallelism (rank 0): its measured bubble and activations held.
     #[serde(default)]
     pub pipeline: Option<PipelineStats>,
+    /// Every evaluation of the run (`eval.interval > 0`), in order.
+    #[serde(default)]
+    pub evals: Vec<EvalPoint>,
 }
 
 /// What a pipeline rank measured (`train --pp`).
@@ -177,7 +220,15 @@ impl GptJob {
             anyhow::ensure!(c.is_finite() && c > 0.0, "the gradient clip must be a positive norm, got {c}");
         }
         DistributedSampler::new(self.model.block_size as usize, self.batch_size * world_size, 0, world_size, 0)?;
-        self.data.load()?.check(self.model.vocab_size, self.model.block_size)
+        if let Some(v) = self.data.vocab_size()? {
+            anyhow::ensure!(
+                self.model.vocab_size >= v as i64,
+                "the data's vocabulary has {v} tokens (meta.json) but the model's vocab_size is {}",
+                self.model.vocab_size
+            );
+        }
+        self.data.load()?.check(self.model.vocab_size, self.model.block_size)?;
+        self.eval.check(self)
     }
 
     /// The learning-rate schedule in force (constant `optim.lr` unless one is set).

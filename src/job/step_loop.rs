@@ -34,12 +34,13 @@ impl GptJob {
         let (rank, n) = (ctx.rank(), ctx.world_size());
         // fp16 needs dynamic loss scaling (PyTorch's GradScaler rules); bf16 and fp32 do not.
         let mut scaler = ctx.scaler();
-        let mut start = 0;
+        let (mut start, mut resumed_best) = (0, None);
         let (mut save_s, mut save_bytes, mut load_s, mut load_bytes) = (0.0, 0, 0.0, 0);
         if let Some(from) = &self.checkpoint.resume {
             let r = crate::checkpoint::load(&mut *dp, &mut opt, from)?;
             (load_s, load_bytes) = (r.seconds, r.bytes);
             self.check_resumable(&r.extra, n)?;
+            resumed_best = r.extra.get("best_val_loss").and_then(|v| v.as_f64());
             if let (Some(s), Some(saved)) = (scaler.as_mut(), r.extra.get("scaler").filter(|v| !v.is_null())) {
                 *s = serde_json::from_value(saved.clone())?;
             }
@@ -52,6 +53,10 @@ impl GptJob {
             );
         }
         let sampler = DistributedSampler::new(self.model.block_size as usize, self.batch_size * n, rank, n, self.seed)?;
+        let mut evals = super::eval::Evaluator::new(self, rank, n, n)?;
+        if let (Some(ev), Some(b)) = (evals.as_mut(), resumed_best) {
+            ev.best = b;
+        }
         let tokens_per_step = (self.batch_size * n) as f64 * self.model.block_size as f64;
         let (mut step_s, mut losses, mut norms) = (Vec::new(), Vec::new(), Vec::new());
         let sent0 = ctx.group().stats().bytes_sent;
@@ -59,7 +64,23 @@ impl GptJob {
         crate::bench::reset_peak_rss();
         // A run shorter than its warm-up still runs: it times its last step.
         let warmup = (start + self.warmup).min(self.steps.saturating_sub(1));
-        for step in start..self.steps {
+        for step in start..=self.steps {
+            if let Some(ev) = evals.as_mut().filter(|e| e.due(step, self.steps)) {
+                let (p, best) =
+                    ev.evaluate(step, &data, |b| super::eval::data_parallel_loss(&mut *dp, &b.to_device(device)))?;
+                ctx.report(ev.line(&p))?;
+                if let (true, Some(dir)) = (best && step > 0, &self.checkpoint.dir) {
+                    let extra = json!({"job": self, "strategy": ctx.scaling().strategy, "world_size": n,
+                                       "precision": ctx.scaling().precision, "scaler": scaler,
+                                       "loss": losses.last(), "val_loss": p.val_loss, "best_val_loss": ev.best});
+                    let r = super::eval::save_best(&*dp, &opt, dir, step, extra)?;
+                    save_s += r.seconds;
+                    save_bytes += r.bytes;
+                }
+            }
+            if step == self.steps {
+                break;
+            }
             crate::launch::injected_failure("step", rank, step)?;
             let batch = sampler.batch(&data, step).to_device(device);
             ctx.group().barrier()?;
@@ -113,7 +134,8 @@ impl GptJob {
                 let every = self.checkpoint.every > 0 && (step + 1) % self.checkpoint.every == 0;
                 if every || (last && self.checkpoint.at_end) {
                     let extra = json!({"job": self, "strategy": ctx.scaling().strategy, "world_size": n,
-                                       "precision": ctx.scaling().precision, "scaler": scaler, "loss": loss});
+                                       "precision": ctx.scaling().precision, "scaler": scaler, "loss": loss,
+                                       "best_val_loss": evals.as_ref().map(|e| e.best)});
                     let opts =
                         crate::checkpoint::SaveOptions { keep_last: self.checkpoint.keep_last, ..Default::default() };
                     let r = crate::checkpoint::save(&*dp, &opt, dir, step + 1, extra, &opts)
@@ -126,6 +148,7 @@ impl GptJob {
         // The job's saves are over: its checkpoint folder is free for the next job.
         if let (Some(dir), 0) = (&self.checkpoint.dir, rank) {
             crate::checkpoint::unlock_folder(dir);
+            crate::checkpoint::unlock_folder(&super::eval::best_dir(dir));
         }
         if let Some(p) = &self.save {
             // Sharded strategies hold pieces: every rank takes part in gathering the full weights.
@@ -168,6 +191,7 @@ impl GptJob {
             precision: ctx.scaling().precision,
             skipped_steps: scaler.map_or(0, |s| s.skipped),
             pipeline: None,
+            evals: evals.map(|e| e.points).unwrap_or_default(),
         })
     }
 

@@ -280,7 +280,19 @@ impl Follower {
                         if self.json {
                             println!("{}", line.trim());
                         }
-                        if let Some(b) = &self.bar {
+                        if let (Some(b), Some(step)) = (&self.bar, v.get("eval_step").and_then(|s| s.as_u64())) {
+                            let f = |k: &str| v.get(k).and_then(|x| x.as_f64()).unwrap_or(f64::NAN);
+                            let msg = format!(
+                                "step {step}: train loss {:.4}, val loss {:.4}",
+                                f("train_loss"),
+                                f("val_loss")
+                            );
+                            if b.is_hidden() {
+                                println!("{msg}"); // not a terminal: no bar to print above
+                            } else {
+                                b.println(msg);
+                            }
+                        } else if let Some(b) = &self.bar {
                             if let Some(step) = v.get("step").and_then(|s| s.as_u64()) {
                                 b.set_position(step + 1);
                             }

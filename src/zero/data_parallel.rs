@@ -30,6 +30,19 @@ impl DataParallel for Zero<'_> {
         self.z.stats
     }
 
+    /// The forward alone, unit by unit as in training (stage 3: each unit gathered before its
+    /// blocks and, resharding after forward, released after them); every unit still gathered is
+    /// released at the end, so the rank holds what it held before.
+    fn eval_loss(&mut self, batch: &Batch) -> CommResult<f64> {
+        let r = crate::stages::forward_only(&*self.model, batch, &mut self.z);
+        let waited = self.z.wait_all();
+        for u in 0..self.z.units.len() {
+            self.z.release(u);
+        }
+        let loss = r?;
+        waited.map(|_| loss)
+    }
+
     fn set_checkpointing(&mut self, policy: Checkpointing) {
         self.z.checkpointing = policy;
     }

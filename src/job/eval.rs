@@ -1,0 +1,220 @@
+//! Periodic evaluation of a training job (nanoGPT's `estimate_loss`): every `interval` steps, the
+//! mean loss over `iters` batches of each split, `train` and `val` (held-out text the model never
+//! trains on), with no update; and the checkpoint of the best val loss kept (nanoGPT's
+//! `always_save_checkpoint = False`).
+//!
+//! The batches: `iters` global batches per split, each the training step's global batch size
+//! (`batch_size` × ranks rows of `block_size`), drawn by a [`DistributedSampler`] of their own
+//! seed — the same batches at every evaluation and under every layout, so that two evaluations
+//! (and two layouts) differ only by the weights. (nanoGPT draws fresh ones each time; fixed
+//! batches take the sampling noise out of the comparison between evaluations.) Every replica
+//! computes the loss of its rows; the mean over the replicas is the global batch's.
+//!
+//! When: before the step of every multiple of `interval` (step 0 included: the untrained model)
+//! and after the last step, so a run's final val loss is always known. A point's `step` is the
+//! number of updates the weights have had.
+
+use super::GptJob;
+use crate::comm::{CommResult, ReduceOp};
+use crate::data::{DistributedSampler, Tokens};
+use crate::model::Batch;
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+use tch::Tensor;
+
+/// How often and how long a job evaluates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EvalConfig {
+    /// Steps between evaluations (nanoGPT's `eval_interval`); 0: never.
+    pub interval: u64,
+    /// Batches per split per evaluation (nanoGPT's `eval_iters`).
+    pub iters: usize,
+}
+
+/// One evaluation: the mean losses of both splits after `step` updates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EvalPoint {
+    pub step: u64,
+    pub train_loss: f64,
+    pub val_loss: f64,
+    /// Wall-clock seconds the evaluation took (rank 0).
+    pub seconds: f64,
+}
+
+/// Seeds of the evaluation batches, apart from the training batches' (`job.seed`).
+const TRAIN_SALT: u64 = 0x6576_616c_7472_6e31;
+const VAL_SALT: u64 = 0x6576_616c_7661_6c31;
+
+impl EvalConfig {
+    pub fn enabled(&self) -> bool {
+        self.interval > 0
+    }
+    /// The job's evaluation against its data, before any worker starts.
+    pub fn check(&self, job: &GptJob) -> anyhow::Result<()> {
+        if !self.enabled() {
+            return Ok(());
+        }
+        anyhow::ensure!(self.iters >= 1, "--eval-iters must be at least 1 to evaluate every {} steps", self.interval);
+        let val = job.data.load_val()?.ok_or_else(|| {
+            anyhow::anyhow!(
+                "evaluation needs a held-out split: --data a folder with train.bin and val.bin (`cargo run --release \
+                 --bin data -- shakespeare`), or the synthetic corpus; a single token file has none"
+            )
+        })?;
+        val.check(job.model.vocab_size, job.model.block_size).map_err(|e| anyhow::anyhow!("the val split: {e}"))
+    }
+}
+
+/// A rank's evaluator: both splits' tokens and samplers.
+pub struct Evaluator {
+    cfg: EvalConfig,
+    val: Tokens,
+    samplers: [DistributedSampler; 2],
+    /// Every evaluation so far (this run).
+    pub points: Vec<EvalPoint>,
+    /// The lowest val loss so far, this run's or the resumed checkpoint's.
+    pub best: f64,
+}
+
+impl Evaluator {
+    /// The evaluator of replica `replica` of `replicas` (`None` when the job does not evaluate).
+    pub fn new(job: &GptJob, replica: usize, replicas: usize, world: usize) -> anyhow::Result<Option<Evaluator>> {
+        if !job.eval.enabled() {
+            return Ok(None);
+        }
+        let val = job.data.load_val()?.ok_or_else(|| anyhow::anyhow!("the data has no val split"))?;
+        let t = job.model.block_size as usize;
+        let rows = job.batch_size * world;
+        let sampler = |salt: u64| DistributedSampler::new(t, rows, replica, replicas, job.seed ^ salt);
+        Ok(Some(Evaluator {
+            cfg: job.eval,
+            val,
+            samplers: [sampler(TRAIN_SALT)?, sampler(VAL_SALT)?],
+            points: Vec::new(),
+            best: f64::INFINITY,
+        }))
+    }
+
+    /// Whether to evaluate before step `step` of a run of `steps` (`step == steps`: after the last).
+    pub fn due(&self, step: u64, steps: u64) -> bool {
+        step % self.cfg.interval == 0 || step == steps
+    }
+
+    /// Both splits' mean loss after `step` updates: `loss_of` gives the global mean loss of one
+    /// global batch (this replica's rows passed; a collective). Records the point; returns it and
+    /// whether its val loss is the best so far.
+    pub fn evaluate(
+        &mut self,
+        step: u64,
+        train: &Tokens,
+        mut loss_of: impl FnMut(&Batch) -> CommResult<f64>,
+    ) -> anyhow::Result<(EvalPoint, bool)> {
+        let t0 = Instant::now();
+        let mut mean = |split: usize, data: &Tokens| -> anyhow::Result<f64> {
+            let mut sum = 0.0;
+            for k in 0..self.cfg.iters {
+                let batch = self.samplers[split].batch(data, k as u64);
+                sum += loss_of(&batch).map_err(|e| anyhow::anyhow!("evaluating after step {step}: {e}"))?;
+            }
+            Ok(sum / self.cfg.iters as f64)
+        };
+        let train_loss = mean(0, train)?;
+        let val = std::mem::replace(&mut self.val, Tokens(Vec::new()));
+        let val_loss = mean(1, &val);
+        self.val = val;
+        let p = EvalPoint { step, train_loss, val_loss: val_loss?, seconds: t0.elapsed().as_secs_f64() };
+        let best = p.val_loss < self.best;
+        if best {
+            self.best = p.val_loss;
+        }
+        self.points.push(p);
+        Ok((p, best))
+    }
+
+    /// The report line of an evaluation (`--json`).
+    pub fn line(&self, p: &EvalPoint) -> serde_json::Value {
+        serde_json::json!({"eval_step": p.step, "train_loss": p.train_loss, "val_loss": p.val_loss,
+                           "best_val_loss": self.best, "eval_s": p.seconds})
+    }
+}
+
+/// The global mean loss of one global batch under a data-parallel strategy: this rank's rows'
+/// forward alone ([`DataParallel::eval_loss`](crate::ddp::DataParallel::eval_loss)), averaged
+/// over the group (equal rows per rank).
+pub fn data_parallel_loss(dp: &mut dyn crate::ddp::DataParallel, batch: &Batch) -> CommResult<f64> {
+    let local = dp.eval_loss(batch)?;
+    let mut l = Tensor::from_slice(&[local]);
+    dp.group().all_reduce(&mut l, ReduceOp::Avg)?;
+    Ok(l.double_value(&[0]))
+}
+
+/// Where the checkpoint of the best val loss goes: `best/` inside the job's checkpoint folder (a
+/// checkpoint folder of its own, holding one step).
+pub fn best_dir(dir: &std::path::Path) -> std::path::PathBuf {
+    dir.join("best")
+}
+
+/// Save the checkpoint of a new best val loss (after `step` updates) into [`best_dir`], replacing
+/// the one before: a collective, as every save.
+pub fn save_best<H: crate::checkpoint::Holder + ?Sized>(
+    h: &H,
+    opt: &crate::optim::AdamW,
+    dir: &std::path::Path,
+    step: u64,
+    extra: serde_json::Value,
+) -> anyhow::Result<crate::checkpoint::Report> {
+    let opts = crate::checkpoint::SaveOptions { keep_last: Some(1), ..Default::default() };
+    crate::checkpoint::save(h, opt, &best_dir(dir), step, extra, &opts)
+        .map_err(|e| anyhow::anyhow!("after step {step}: saving the best val loss's checkpoint: {e:#}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::DataSource;
+    use crate::model::GptConfig;
+
+    fn job() -> GptJob {
+        GptJob {
+            model: GptConfig::tiny(),
+            batch_size: 4,
+            accum: 1,
+            steps: 10,
+            warmup: 0,
+            optim: Default::default(),
+            lr_schedule: None,
+            grad_clip: None,
+            data: DataSource::Synthetic { tokens: 5000, seed: 1 },
+            seed: 1,
+            init: None,
+            save: None,
+            checkpoint: Default::default(),
+            eval: EvalConfig { interval: 4, iters: 3 },
+        }
+    }
+
+    #[test]
+    fn the_best_is_the_lowest_val_loss_and_batches_repeat() {
+        let j = job();
+        let train = j.data.load().unwrap();
+        let mut ev = Evaluator::new(&j, 0, 1, 1).unwrap().unwrap();
+        assert!(ev.due(0, 10) && ev.due(8, 10) && ev.due(10, 10) && !ev.due(9, 10));
+        // A fake model: a fixed loss per evaluation; the batches it is given are recorded.
+        let (mut seen, mut best) = (Vec::new(), Vec::new());
+        for (step, o) in [(0, 3.0), (4, 1.0), (8, 2.0), (10, 0.5)] {
+            let (p, b) = ev
+                .evaluate(step, &train, |batch| {
+                    seen.push(batch.x.int64_value(&[0, 0]));
+                    Ok(o)
+                })
+                .unwrap();
+            assert_eq!((p.train_loss, p.val_loss), (o, o));
+            best.push(b);
+        }
+        assert_eq!(best, vec![true, true, false, true]);
+        assert_eq!(ev.best, 0.5);
+        // 3 train + 3 val batches per evaluation, the same six every time.
+        assert_eq!(seen.len(), 24);
+        assert!(seen.chunks(6).all(|c| c == &seen[..6]), "{seen:?}");
+    }
+}
