@@ -169,6 +169,13 @@ fn the_best_val_checkpoint_is_kept_and_loads_back_to_its_loss() {
         .filter(|n| n.starts_with("step-"))
         .collect();
     assert_eq!(kept, vec![format!("step-{:08}", best.step)], "one checkpoint, the best val loss's: {:?}", run.evals);
+    // Each regular checkpoint carries the best so far, its own step's evaluation included (a run
+    // resumed from it to train longer must not take a worse model for the best).
+    for at in [3u64, 6] {
+        let meta = shardlab::checkpoint::read_metadata(&ck.join(format!("step-{at:08}"))).unwrap();
+        let want = run.evals.iter().filter(|p| p.step <= at).map(|p| p.val_loss).fold(f64::INFINITY, f64::min);
+        assert_eq!(meta.extra["best_val_loss"].as_f64(), Some(want), "step {at}'s checkpoint: the best val loss so far");
+    }
     // Loaded back, in the same layout and in another, it evaluates to the loss it was kept for.
     for (name, s, rows) in [
         ("single", single, 8),

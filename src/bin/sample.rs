@@ -76,6 +76,15 @@ fn main() -> anyhow::Result<()> {
         Some(p) if p.is_dir() => Some(shardlab::job::restore::load_gpt(p)?),
         _ => None,
     };
+    if let (None, Some(r)) = (&a.meta, &restored) {
+        if let (shardlab::job::DataSource::Dir(d), None) = (&r.job.data, r.meta_path()) {
+            eprintln!(
+                "sample: the checkpoint was trained on {}, but there is no meta.json there (a path relative to where \
+                 it was trained?): printing ids; give --meta",
+                d.display()
+            );
+        }
+    }
     let meta_path = a.meta.clone().or_else(|| restored.as_ref().and_then(|r| r.meta_path()));
     let meta = meta_path.as_deref().map(Meta::read_file).transpose()?;
     let vocab = meta.as_ref().map(|m| m.vocab()).transpose()?;

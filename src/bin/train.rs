@@ -213,14 +213,15 @@ impl Args {
         }
     }
     /// --vocab-size, else the data's, else 4096.
-    fn vocab_size(&self) -> i64 {
-        let from_data = self.data().vocab_size().ok().flatten().map(|v| v as i64);
-        self.vocab_size.or(from_data).unwrap_or(4096)
+    fn vocab_size(&self) -> anyhow::Result<i64> {
+        let from_data = self.data().vocab_size()?.map(|v| v as i64);
+        Ok(self.vocab_size.or(from_data).unwrap_or(4096))
     }
     fn job(&self) -> GptJob {
         GptJob {
             model: GptConfig {
-                vocab_size: self.vocab_size(),
+                // (A meta.json that cannot be read: 0 here, and the check's own error names the file.)
+                vocab_size: self.vocab_size().unwrap_or(0),
                 block_size: self.block_size,
                 n_layer: self.n_layer,
                 n_head: self.n_head,
@@ -299,6 +300,7 @@ fn main() -> anyhow::Result<()> {
         println!("wrote {} synthetic tokens to {}", args.synthetic_tokens, p.display());
         return Ok(());
     }
+    args.vocab_size()?; // an unreadable meta.json: its own error
     args.job().model.validate()?;
     if args.eval_only {
         return eval(&args);

@@ -72,6 +72,33 @@ pub fn strict() -> bool {
     std::env::var("SHARDLAB_GRADE").map(|v| v == "strict").unwrap_or(false)
 }
 
+/// Refuse an exercise that calls shardlab's own copy of what it asks for: a panic ("write it
+/// yourself") naming the first of `twins` (paths or names) found in exercise `k`'s section of the
+/// learner's file (from its `/// Exercise k` line to the next exercise's), outside comments. Only
+/// the learner's copy is checked (the reference answers call no twin).
+pub fn refuse_twins(g: Grader, k: usize, twins: &[&str]) {
+    if g.who != Who::Exercise {
+        return;
+    }
+    let src = fs::read_to_string(g.exercise_file).unwrap_or_default();
+    let mut current = None;
+    let mut code = Vec::new();
+    for line in src.lines() {
+        if let Some(rest) = line.trim_start().strip_prefix("/// Exercise ") {
+            current = rest.split(|c: char| !c.is_ascii_digit()).next().and_then(|n| n.parse::<usize>().ok());
+        }
+        if current == Some(k) {
+            code.push(line.split("//").next().unwrap_or(""));
+        }
+    }
+    if let Some(t) = twins.iter().find(|t| code.iter().any(|l| l.contains(*t))) {
+        panic!(
+            "write it yourself: your exercise {k} calls `{t}`, shardlab's own copy of what this exercise asks you \
+             to build"
+        );
+    }
+}
+
 /// Runs one test of a grader. Called by the code [`graders!`](crate::graders) generates.
 pub fn run(g: Grader, test: &str, body: impl FnOnce()) {
     install_quiet_hook();

@@ -123,6 +123,13 @@ impl Evaluator {
         let val_loss = mean(1, &val);
         self.val = val;
         let p = EvalPoint { step, train_loss, val_loss: val_loss?, seconds: t0.elapsed().as_secs_f64() };
+        // The same numbers on every rank (averaged by one all-reduce), so every rank stops here.
+        anyhow::ensure!(
+            p.train_loss.is_finite() && p.val_loss.is_finite(),
+            "the evaluation after step {step} gave train loss {} and val loss {}: the weights have diverged",
+            p.train_loss,
+            p.val_loss
+        );
         let best = p.val_loss < self.best;
         if best {
             self.best = p.val_loss;
@@ -139,10 +146,15 @@ impl Evaluator {
 }
 
 /// The global mean loss of one global batch under a data-parallel strategy: this rank's rows'
-/// forward alone ([`DataParallel::eval_loss`](crate::ddp::DataParallel::eval_loss)), averaged
-/// over the group (equal rows per rank).
-pub fn data_parallel_loss(dp: &mut dyn crate::ddp::DataParallel, batch: &Batch) -> CommResult<f64> {
-    let local = dp.eval_loss(batch)?;
+/// forward alone ([`DataParallel::eval_loss`](crate::ddp::DataParallel::eval_loss)) in the
+/// training step's `accum` micro-batches (so an evaluation holds no more activations than a
+/// step), weighted by their share of the rows, averaged over the group (equal rows per rank).
+pub fn data_parallel_loss(dp: &mut dyn crate::ddp::DataParallel, batch: &Batch, accum: i64) -> CommResult<f64> {
+    let rows = batch.len();
+    let mut local = 0.0;
+    for (lo, hi) in crate::ddp::micro_batches(rows, accum.clamp(1, rows.max(1))) {
+        local += dp.eval_loss(&batch.rows(lo, hi))? * (hi - lo) as f64 / rows as f64;
+    }
     let mut l = Tensor::from_slice(&[local]);
     dp.group().all_reduce(&mut l, ReduceOp::Avg)?;
     Ok(l.double_value(&[0]))

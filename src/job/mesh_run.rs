@@ -156,17 +156,34 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     // Bytes this rank sends, over the world and the mesh's groups (each its own communicator).
     let sent = |ctx: &TrainContext, e: &crate::engine::Engine| ctx.group().stats().bytes_sent + e.bytes_sent();
     let sent0 = sent(ctx, &engine);
+    // Bytes the evaluations sent (forward and backward of every evaluation batch): not training traffic.
+    let mut eval_sent = 0;
     crate::bench::reset_peak_rss();
     let warmup = (start + job.warmup).min(job.steps.saturating_sub(1));
     for step in start..=job.steps {
-        if let Some(ev) = evals.as_mut().filter(|e| e.due(step, job.steps)) {
+        // After `step` updates: evaluate (not again at a resumed run's first step), then save.
+        let again = step == start && start > 0 && start < job.steps;
+        if let Some(ev) = evals.as_mut().filter(|e| e.due(step, job.steps) && !again) {
+            let before = sent(ctx, &engine);
             let (p, best) = ev.evaluate(step, &data, |b| engine.eval_loss(b, job.accum))?;
             ctx.report(ev.line(&p))?;
             if let (true, Some(dir)) = (best && step > 0, &job.checkpoint.dir) {
                 let extra = json!({"job": job, "strategy": s.strategy, "world_size": n, "layout": layout,
                                    "precision": s.precision, "scaler": null, "loss": losses.last(),
                                    "val_loss": p.val_loss, "best_val_loss": ev.best});
-                let r = super::eval::save_best(&engine, &opt, dir, step, extra)?;
+                super::eval::save_best(&engine, &opt, dir, step, extra)?;
+            }
+            eval_sent += sent(ctx, &engine) - before;
+        }
+        if let (Some(dir), true) = (&job.checkpoint.dir, step > start) {
+            let every = job.checkpoint.every > 0 && step % job.checkpoint.every == 0;
+            if every || (step == job.steps && job.checkpoint.at_end) {
+                let extra = json!({"job": job, "strategy": s.strategy, "world_size": n, "layout": layout,
+                                   "precision": s.precision, "scaler": null, "loss": losses.last(),
+                                   "best_val_loss": evals.as_ref().map(|e| e.best)});
+                let opts = crate::checkpoint::SaveOptions { keep_last: job.checkpoint.keep_last, ..Default::default() };
+                let r = crate::checkpoint::save(&engine, &opt, dir, step, extra, &opts)
+                    .map_err(|e| anyhow::anyhow!("after step {}: saving the checkpoint: {e:#}", step - 1))?;
                 save_s += r.seconds;
                 save_bytes += r.bytes;
             }
@@ -205,19 +222,6 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
             step_s.push(dt);
         }
         ctx.report(line)?;
-        if let Some(dir) = &job.checkpoint.dir {
-            let every = job.checkpoint.every > 0 && (step + 1) % job.checkpoint.every == 0;
-            if every || (step + 1 == job.steps && job.checkpoint.at_end) {
-                let extra = json!({"job": job, "strategy": s.strategy, "world_size": n, "layout": layout,
-                                   "precision": s.precision, "scaler": null, "loss": loss,
-                                   "best_val_loss": evals.as_ref().map(|e| e.best)});
-                let opts = crate::checkpoint::SaveOptions { keep_last: job.checkpoint.keep_last, ..Default::default() };
-                let r = crate::checkpoint::save(&engine, &opt, dir, step + 1, extra, &opts)
-                    .map_err(|e| anyhow::anyhow!("step {step}: saving the checkpoint: {e:#}"))?;
-                save_s += r.seconds;
-                save_bytes += r.bytes;
-            }
-        }
     }
     // The job's saves are over: its checkpoint folder is free for the next job.
     if let (Some(dir), 0) = (&job.checkpoint.dir, ctx.rank()) {
@@ -231,7 +235,7 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
             crate::model::write_state_dict(crate::model::Model::state_dict_of(&names, full), p)?;
         }
     }
-    let sent_per_step = (sent(ctx, &engine) - sent0) as f64 / (job.steps - start).max(1) as f64;
+    let sent_per_step = (sent(ctx, &engine) - sent0 - eval_sent) as f64 / (job.steps - start).max(1) as f64;
     let median = crate::bench::median(&mut step_s);
     Ok(RunSummary {
         strategy: layout,

@@ -76,6 +76,8 @@ impl DataSource {
     /// The vocabulary the source declares (`meta.json`'s `vocab_size`), if any.
     pub fn vocab_size(&self) -> anyhow::Result<Option<usize>> {
         match self {
+            // nanoGPT's layouts without a vocabulary file (openwebtext's GPT-2 ids) have none.
+            DataSource::Dir(d) if !d.join("meta.json").exists() => Ok(None),
             DataSource::Dir(d) => Ok(Some(crate::corpus::Meta::read(d)?.vocab_size)),
             _ => Ok(None),
         }

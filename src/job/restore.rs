@@ -34,10 +34,10 @@ impl Restored {
 pub fn load_gpt(path: &Path) -> anyhow::Result<Restored> {
     let dir = crate::checkpoint::resolve(path)?;
     let meta = crate::checkpoint::read_metadata(&dir)?;
-    let job: GptJob =
-        meta.extra.get("job").cloned().map(serde_json::from_value).transpose()?.with_context(|| {
-            format!("{} was not saved by a GPT training job (no job in its metadata)", dir.display())
-        })?;
+    let saved = meta.extra.get("job").cloned().map(serde_json::from_value::<GptJob>);
+    let job = saved.and_then(Result::ok).with_context(|| {
+        format!("{} was not saved by a GPT training job (no GPT job in its metadata)", dir.display())
+    })?;
     let model = Gpt::new(job.model, job.seed)?;
     tch::no_grad(|| -> anyhow::Result<()> {
         for (name, p) in model.named_parameters() {

@@ -60,20 +60,42 @@ impl GptJob {
         let tokens_per_step = (self.batch_size * n) as f64 * self.model.block_size as f64;
         let (mut step_s, mut losses, mut norms) = (Vec::new(), Vec::new(), Vec::new());
         let sent0 = ctx.group().stats().bytes_sent;
+        // Bytes the evaluations sent (and their best checkpoints' agreement): not training traffic.
+        let mut eval_sent = 0;
         // Peak RSS from here on: the training steps, not the construction of the full model.
         crate::bench::reset_peak_rss();
         // A run shorter than its warm-up still runs: it times its last step.
         let warmup = (start + self.warmup).min(self.steps.saturating_sub(1));
         for step in start..=self.steps {
-            if let Some(ev) = evals.as_mut().filter(|e| e.due(step, self.steps)) {
-                let (p, best) =
-                    ev.evaluate(step, &data, |b| super::eval::data_parallel_loss(&mut *dp, &b.to_device(device)))?;
+            // After `step` updates: evaluate (not again at a resumed run's first step, which the
+            // run that saved it evaluated), then save — so a checkpoint's best val loss includes
+            // its own step's evaluation.
+            let again = step == start && start > 0 && start < self.steps;
+            if let Some(ev) = evals.as_mut().filter(|e| e.due(step, self.steps) && !again) {
+                let before = ctx.group().stats().bytes_sent;
+                let accum = self.accum;
+                let (p, best) = ev.evaluate(step, &data, |b| {
+                    super::eval::data_parallel_loss(&mut *dp, &b.to_device(device), accum)
+                })?;
                 ctx.report(ev.line(&p))?;
                 if let (true, Some(dir)) = (best && step > 0, &self.checkpoint.dir) {
                     let extra = json!({"job": self, "strategy": ctx.scaling().strategy, "world_size": n,
                                        "precision": ctx.scaling().precision, "scaler": scaler,
                                        "loss": losses.last(), "val_loss": p.val_loss, "best_val_loss": ev.best});
-                    let r = super::eval::save_best(&*dp, &opt, dir, step, extra)?;
+                    super::eval::save_best(&*dp, &opt, dir, step, extra)?;
+                }
+                eval_sent += ctx.group().stats().bytes_sent - before;
+            }
+            if let (Some(dir), true) = (&self.checkpoint.dir, step > start) {
+                let every = self.checkpoint.every > 0 && step % self.checkpoint.every == 0;
+                if every || (step == self.steps && self.checkpoint.at_end) {
+                    let extra = json!({"job": self, "strategy": ctx.scaling().strategy, "world_size": n,
+                                       "precision": ctx.scaling().precision, "scaler": scaler, "loss": losses.last(),
+                                       "best_val_loss": evals.as_ref().map(|e| e.best)});
+                    let opts =
+                        crate::checkpoint::SaveOptions { keep_last: self.checkpoint.keep_last, ..Default::default() };
+                    let r = crate::checkpoint::save(&*dp, &opt, dir, step, extra, &opts)
+                        .map_err(|e| anyhow::anyhow!("after step {}: saving the checkpoint: {e:#}", step - 1))?;
                     save_s += r.seconds;
                     save_bytes += r.bytes;
                 }
@@ -129,21 +151,6 @@ impl GptJob {
                 line["skipped"] = json!(out.skipped);
             }
             ctx.report(line)?;
-            let last = step + 1 == self.steps;
-            if let Some(dir) = &self.checkpoint.dir {
-                let every = self.checkpoint.every > 0 && (step + 1) % self.checkpoint.every == 0;
-                if every || (last && self.checkpoint.at_end) {
-                    let extra = json!({"job": self, "strategy": ctx.scaling().strategy, "world_size": n,
-                                       "precision": ctx.scaling().precision, "scaler": scaler, "loss": loss,
-                                       "best_val_loss": evals.as_ref().map(|e| e.best)});
-                    let opts =
-                        crate::checkpoint::SaveOptions { keep_last: self.checkpoint.keep_last, ..Default::default() };
-                    let r = crate::checkpoint::save(&*dp, &opt, dir, step + 1, extra, &opts)
-                        .map_err(|e| anyhow::anyhow!("step {step}: saving the checkpoint: {e:#}"))?;
-                    save_s += r.seconds;
-                    save_bytes += r.bytes;
-                }
-            }
         }
         // The job's saves are over: its checkpoint folder is free for the next job.
         if let (Some(dir), 0) = (&self.checkpoint.dir, rank) {
@@ -157,7 +164,8 @@ impl GptJob {
                 crate::model::write_state_dict(dp.model().state_dict_of(full), p)?;
             }
         }
-        let sent_per_step = (ctx.group().stats().bytes_sent - sent0) as f64 / (self.steps - start).max(1) as f64;
+        let sent_per_step =
+            (ctx.group().stats().bytes_sent - sent0 - eval_sent) as f64 / (self.steps - start).max(1) as f64;
         let median = crate::bench::median(&mut step_s);
         let st = dp.stats();
         let strategy = ctx.scaling().strategy;
