@@ -234,6 +234,40 @@ pub fn check_char_layout(dir: &Path) -> anyhow::Result<Meta> {
     Ok(meta)
 }
 
+/// Practice documents for a quick run without the download: `n` "plays" of seeded lines of
+/// words from a small lexicon (the same for the same seed). Structure to learn — spelling, word
+/// boundaries, punctuation — and nothing else.
+pub fn practice_documents(n: usize, lines: usize, seed: u64) -> Vec<Document> {
+    let words =
+        ["thou", "art", "the", "king", "of", "night", "and", "my", "love", "shall", "not", "fade", "O", "sweet"];
+    let mut rng = crate::rng::Rng::new(seed);
+    (0..n)
+        .map(|d| {
+            let mut text = format!("ACT {}\n", d + 1);
+            for line in 0..lines {
+                let w: Vec<&str> = (0..6).map(|_| words[rng.below(words.len() as u64) as usize]).collect();
+                text.push_str(&w.join(" "));
+                text.push_str(if line % 4 == 3 { ".\n\n" } else { ",\n" });
+            }
+            Document { name: format!("practice_{}", d + 1), text }
+        })
+        .collect()
+}
+
+/// The character-unigram baseline: the cross-entropy (nats per token) of `val` under the
+/// frequency of each id in `train` (add-one smoothed over `vocab_size` ids, so a character only
+/// validation has is not infinitely surprising). A model that learned no context scores this;
+/// anything below it is learned from context.
+pub fn unigram_cross_entropy(train: &[u16], val: &[u16], vocab_size: usize) -> f64 {
+    let mut counts = vec![1.0f64; vocab_size];
+    for &t in train {
+        counts[t as usize] += 1.0;
+    }
+    let total: f64 = counts.iter().sum();
+    let nll: f64 = val.iter().map(|&t| -(counts[t as usize] / total).ln()).sum();
+    nll / val.len().max(1) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -342,5 +376,16 @@ mod tests {
         assert_eq!(docs[1].text, "Full fathom five");
         let bad = gz(&[(&format!("{p}lear_gut.txt"), "*** START OF THIS PROJECT GUTENBERG EBOOK ***\nLear")]);
         assert!(modern_texts(&bad).unwrap_err().to_string().contains("licence"));
+    }
+
+    #[test]
+    fn the_unigram_baseline_is_the_cross_entropy_of_the_frequencies() {
+        // train: ids 0, 0, 0, 1 over a vocabulary of 2, smoothed: counts 4 and 2 of 6.
+        // val: 0, 1 → (−ln(4/6) − ln(2/6)) / 2.
+        let want = (-(4.0f64 / 6.0).ln() - (2.0f64 / 6.0).ln()) / 2.0;
+        assert!((unigram_cross_entropy(&[0, 0, 0, 1], &[0, 1], 2) - want).abs() < 1e-12);
+        // Uniform text over 4 ids: ln 4.
+        let u: Vec<u16> = (0..400).map(|i| (i % 4) as u16).collect();
+        assert!((unigram_cross_entropy(&u, &u, 4) - 4f64.ln()).abs() < 1e-9);
     }
 }

@@ -174,7 +174,11 @@ fn the_best_val_checkpoint_is_kept_and_loads_back_to_its_loss() {
     for at in [3u64, 6] {
         let meta = shardlab::checkpoint::read_metadata(&ck.join(format!("step-{at:08}"))).unwrap();
         let want = run.evals.iter().filter(|p| p.step <= at).map(|p| p.val_loss).fold(f64::INFINITY, f64::min);
-        assert_eq!(meta.extra["best_val_loss"].as_f64(), Some(want), "step {at}'s checkpoint: the best val loss so far");
+        assert_eq!(
+            meta.extra["best_val_loss"].as_f64(),
+            Some(want),
+            "step {at}'s checkpoint: the best val loss so far"
+        );
     }
     // Loaded back, in the same layout and in another, it evaluates to the loss it was kept for.
     for (name, s, rows) in [

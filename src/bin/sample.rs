@@ -1,10 +1,10 @@
 //! `sample` — write text with a trained GPT (lesson 14; nanoGPT's `sample.py`).
 //!
 //! ```text
-//! cargo run --release --bin sample -- --from ck/best --start "ROMEO:" --max-new-tokens 500 \
+//! cargo run --release --bin sample -- --from ck/best --start ROMEO: --max-new-tokens 500 \
 //!     --temperature 0.8 --top-k 200 --seed 1337          # a checkpoint of any layout (train --checkpoint-dir)
 //! cargo run --release --bin sample -- --from model.safetensors --meta data/shakespeare_char/meta.json \
-//!     --n-layer 6 --n-head 6 --n-embd 384 --block-size 256 --start "ROMEO:"
+//!     --n-layer 6 --n-head 6 --n-embd 384 --block-size 256 --start ROMEO:
 //! cargo run --release --bin sample -- --bench --max-new-tokens 256   # decode tokens/s, with and without the KV cache
 //! ```
 //!

@@ -79,7 +79,7 @@ pub fn exercises(src: &str) -> Vec<Exercise> {
 
 /// Replaces comments with nothing and the insides of string and char literals with `_`, so that
 /// braces and `//` inside them do not confuse [`functions`].
-fn strip_comments_and_strings(src: &str) -> String {
+pub(crate) fn strip_comments_and_strings(src: &str) -> String {
     let b: Vec<char> = src.chars().collect();
     let mut out = String::with_capacity(src.len());
     let mut i = 0;

@@ -73,28 +73,38 @@ pub fn strict() -> bool {
 }
 
 /// Refuse an exercise that calls shardlab's own copy of what it asks for: a panic ("write it
-/// yourself") naming the first of `twins` (paths or names) found in exercise `k`'s section of the
-/// learner's file (from its `/// Exercise k` line to the next exercise's), outside comments. Only
-/// the learner's copy is checked (the reference answers call no twin).
+/// yourself") naming the first of `twins` (names or paths) found in the code of exercise `k`'s
+/// section of the learner's file (from its `/// Exercise k` line to the next exercise's) or of
+/// the lines before the first exercise (where a `use … as` would hide a twin), comments and
+/// string literals aside. Only the learner's copy is checked (the reference answers call none).
 pub fn refuse_twins(g: Grader, k: usize, twins: &[&str]) {
     if g.who != Who::Exercise {
         return;
     }
     let src = fs::read_to_string(g.exercise_file).unwrap_or_default();
     let mut current = None;
-    let mut code = Vec::new();
+    let mut kept = String::new();
     for line in src.lines() {
         if let Some(rest) = line.trim_start().strip_prefix("/// Exercise ") {
             current = rest.split(|c: char| !c.is_ascii_digit()).next().and_then(|n| n.parse::<usize>().ok());
         }
-        if current == Some(k) {
-            code.push(line.split("//").next().unwrap_or(""));
+        if current.is_none() || current == Some(k) {
+            kept.push_str(line);
+            kept.push('\n');
         }
     }
-    if let Some(t) = twins.iter().find(|t| code.iter().any(|l| l.contains(*t))) {
+    let code = exercises::strip_comments_and_strings(&kept);
+    let word = |t: &str| {
+        code.match_indices(t).any(|(i, _)| {
+            let before = code[..i].chars().next_back().is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
+            let after = code[i + t.len()..].chars().next().is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
+            before && after
+        })
+    };
+    if let Some(t) = twins.iter().find(|t| word(t)) {
         panic!(
-            "write it yourself: your exercise {k} calls `{t}`, shardlab's own copy of what this exercise asks you \
-             to build"
+            "write it yourself: your exercise {k} calls `{t}`, shardlab's own copy (or a library's) of what this \
+             exercise asks you to build"
         );
     }
 }

@@ -39,6 +39,10 @@ pub struct EvalPoint {
     pub val_loss: f64,
     /// Wall-clock seconds the evaluation took (rank 0).
     pub seconds: f64,
+    /// Wall-clock seconds from the run's start to the end of this evaluation (rank 0; training,
+    /// evaluations and checkpoints included).
+    #[serde(default)]
+    pub elapsed_s: f64,
 }
 
 /// Seeds of the evaluation batches, apart from the training batches' (`job.seed`).
@@ -74,6 +78,8 @@ pub struct Evaluator {
     pub points: Vec<EvalPoint>,
     /// The lowest val loss so far, this run's or the resumed checkpoint's.
     pub best: f64,
+    /// When this rank's evaluator was made (the run's start, for `elapsed_s`).
+    started: Instant,
 }
 
 impl Evaluator {
@@ -92,6 +98,7 @@ impl Evaluator {
             samplers: [sampler(TRAIN_SALT)?, sampler(VAL_SALT)?],
             points: Vec::new(),
             best: f64::INFINITY,
+            started: Instant::now(),
         }))
     }
 
@@ -122,7 +129,13 @@ impl Evaluator {
         let val = std::mem::replace(&mut self.val, Tokens(Vec::new()));
         let val_loss = mean(1, &val);
         self.val = val;
-        let p = EvalPoint { step, train_loss, val_loss: val_loss?, seconds: t0.elapsed().as_secs_f64() };
+        let p = EvalPoint {
+            step,
+            train_loss,
+            val_loss: val_loss?,
+            seconds: t0.elapsed().as_secs_f64(),
+            elapsed_s: self.started.elapsed().as_secs_f64(),
+        };
         // The same numbers on every rank (averaged by one all-reduce), so every rank stops here.
         anyhow::ensure!(
             p.train_loss.is_finite() && p.val_loss.is_finite(),
@@ -138,10 +151,12 @@ impl Evaluator {
         Ok((p, best))
     }
 
-    /// The report line of an evaluation (`--json`).
+    /// The report line of an evaluation (`--json`); `elapsed_s`: wall seconds since the run's
+    /// start, evaluations and checkpoints included (the clock a "val loss after 10 minutes" reads).
     pub fn line(&self, p: &EvalPoint) -> serde_json::Value {
         serde_json::json!({"eval_step": p.step, "train_loss": p.train_loss, "val_loss": p.val_loss,
-                           "best_val_loss": self.best, "eval_s": p.seconds})
+                           "best_val_loss": self.best, "eval_s": p.seconds,
+                           "elapsed_s": p.elapsed_s})
     }
 }
 

@@ -1,0 +1,63 @@
+//! Lesson 14 — the capstone: your exercises.
+//! Replace each `todo!()`; check your work with `cargo grade 14`. Hints: `cargo grade 14 --hint K`.
+//! Write these yourself: the grader refuses an answer that calls shardlab's own copy
+//! (`shardlab::corpus`, `shardlab::model::sample_next`, the GPT's cached forward).
+#![allow(unused_variables, unused_imports, unused_mut)]
+
+use tch::{Kind, Tensor};
+
+/// Exercise 1 — nanoGPT's character vocabulary: every distinct character of `text`, once, sorted
+/// by code point (`sorted(set(text))`), so the same text gives the same ids whatever its order.
+pub fn char_vocabulary(text: &str) -> Vec<char> {
+    // TODO: the distinct characters of `text`, in code-point order (README, "Characters as tokens").
+    todo!()
+}
+
+/// (Exercise 1, continued.) `text` as ids: each character's position in `vocab` (sorted, as
+/// [`char_vocabulary`] gives it). A character not in the vocabulary is an error that names it.
+pub fn encode(vocab: &[char], text: &str) -> Result<Vec<u16>, String> {
+    // TODO: one id per character; an unknown character is an Err naming it, never a silent id.
+    todo!()
+}
+
+/// Exercise 2 — the train/val split by whole documents. The documents are joined in order with a
+/// blank line (`"\n\n"`, two characters) after each but the last; `lengths[i]` is document i's
+/// length in characters. Return the index of the first validation document: the one in whose
+/// span — its text and the separator after it — the point at 90 % of the joined text falls, so
+/// that validation is whole documents holding at least the last 10 %. Train is never empty (at
+/// least 1); fewer than two documents is an error.
+pub fn first_val_document(lengths: &[usize]) -> Result<usize, String> {
+    // TODO: find the document the 90 % point of the joined text falls in (README, "A split the
+    // model cannot cheat on").
+    todo!()
+}
+
+/// Exercise 3 — the distribution nanoGPT's `generate` draws the next token from: the logits
+/// divided by `temperature`; with `top_k = Some(k)`, only the logits at least as large as the
+/// k-th largest kept (ties with it stay, as `torch.topk`'s threshold keeps them), the others
+/// impossible (`None`, `Some(0)` or k at least the number of logits: all kept); then softmax.
+/// `temperature == 0`: all the probability on the largest logit (the first of equal ones, as
+/// `argmax`). Never NaN, however large the logits.
+pub fn next_token_distribution(logits: &[f64], temperature: f64, top_k: Option<usize>) -> Vec<f64> {
+    // TODO: the probabilities, one per logit, summing to 1 (README, "Temperature and top-k").
+    todo!()
+}
+
+/// (Exercise 3, continued.) One draw from `probs` with a uniform number `u` in [0, 1): the first
+/// token whose cumulative probability exceeds `u` (so a token of probability 0 is never drawn).
+pub fn draw(probs: &[f64], u: f64) -> usize {
+    // TODO: walk the cumulative probabilities.
+    todo!()
+}
+
+/// Exercise 4 — causal self-attention with a KV cache, the heart of fast decoding. `q`, `k`, `v`:
+/// (B, H, T_new, D), the queries, keys and values of the `T_new` newest tokens; `cache`: the keys
+/// and values of every earlier token, (B, H, T_past, D) each (`None` before the first call).
+/// Append the new keys and values to the cache, and return every new token's attention over all
+/// the tokens up to and including itself — softmax(q·kᵀ/√D) under the causal mask, times v:
+/// (B, H, T_new, D), equal to full attention over the whole sequence at those positions.
+pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, cache: &mut Option<(Tensor, Tensor)>) -> Tensor {
+    // TODO: grow the cache along the time dimension, then attend (README, "Decoding with a KV
+    // cache"); mind where each new token sits when T_new > 1.
+    todo!()
+}
