@@ -13,7 +13,7 @@
 //! * the best val loss's checkpoint (`CHECKPOINT_DIR/best`) is the step with the lowest val loss,
 //!   and loading it gives that val loss again — bitwise in the same layout, within 1e-5 in another.
 
-use shardlab::corpus::{build_char_layout, Document};
+use shardlab::corpus::{build_char_layout, practice_documents};
 use shardlab::job::{CheckpointConfig, DataSource, EvalConfig, GptJob, RunSummary};
 use shardlab::pipeline::{PipelineConfig, Schedule};
 use shardlab::prelude::*;
@@ -21,27 +21,11 @@ use std::path::{Path, PathBuf};
 
 const STEPS: u64 = 6;
 
-/// Eight "plays" of generated verse (the last goes to val): words from a small lexicon in a
-/// seeded order, so the model has something to learn and val is text it never saw.
+/// Eight practice "plays" (`corpus::practice_documents`: seeded lines of words; the last goes to
+/// val), so the model has something to learn and val is text it never saw.
 fn layout(dir: &Path) -> PathBuf {
     let out = dir.join("chars");
-    let words = ["thou", "art", "the", "king", "of", "night", "and", "my", "love", "shall", "not", "fade"];
-    let mut x: u64 = 12345;
-    let docs: Vec<Document> = (0..8)
-        .map(|d| {
-            let mut text = format!("ACT {d}\n");
-            for line in 0..60 {
-                for _ in 0..6 {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    text.push_str(words[(x >> 33) as usize % words.len()]);
-                    text.push(' ');
-                }
-                text.push_str(if line % 4 == 3 { ".\n\n" } else { ",\n" });
-            }
-            Document { name: format!("play_{d}"), text }
-        })
-        .collect();
-    build_char_layout(&docs, &out, "generated in tests/eval.rs").unwrap();
+    build_char_layout(&practice_documents(8, 60, 12345), &out, "shardlab::corpus::practice_documents").unwrap();
     out
 }
 

@@ -126,9 +126,7 @@ impl Evaluator {
             Ok(sum / self.cfg.iters as f64)
         };
         let train_loss = mean(0, train)?;
-        let val = std::mem::replace(&mut self.val, Tokens(Vec::new()));
-        let val_loss = mean(1, &val);
-        self.val = val;
+        let val_loss = mean(1, &self.val);
         let p = EvalPoint {
             step,
             train_loss,
