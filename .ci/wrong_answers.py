@@ -372,6 +372,64 @@ WRONG = [
     ("14", 4, "the cache keeps only the newest tokens",
      [("    *cache = Some((k_all, v_all));", "    *cache = Some((k.shallow_clone(), v.shallow_clone()));")],
      "after 2 tokens the cached keys"),
+    ("14", 5, "ZeRO-1 as the ZeRO paper counts it (no averaged gradient shard)",
+     [("1 => 8.0 * p + 12.0 * p / n,", "1 => 8.0 * p + 8.0 * p / n,")],
+     "ZeRO-1 over 4"),
+    ("14", 5, "tensor parallelism divides every parameter",
+     [("    let embeddings = wte + shape.block_size as f64 * c;\n",
+       "    let embeddings = wte + shape.block_size as f64 * c / t;\n"),
+      ("    let block = 4.0 * c + (3.0 * c * c + 3.0 * c) / t + c * c / t + c + (4.0 * c * c + 4.0 * c) / t + 4.0 * c * c / t + c;\n",
+       "    let block = (4.0 * c + 3.0 * c * c + 3.0 * c + c * c + c + 4.0 * c * c + 4.0 * c + 4.0 * c * c + c) / t;\n")],
+     "what does t not divide"),
+    ("14", 5, "the tied head's weight not held by the last pipeline rank",
+     [("            if at + k == stages.len() && at > 0 {", "            if false {")],
+     "pp 4, one entry per pipeline rank"),
+    ("14", 5, "the tied head's weight counted twice when one rank holds the whole model",
+     [("            if at + k == stages.len() && at > 0 {", "            if at + k == stages.len() {")],
+     "16 bytes a parameter"),
+    ("14", 5, "the last pipeline ranks take the extra stages",
+     [("            let k = q + usize::from(r < extra);", "            let k = q + usize::from(r >= layout.pp - extra);")],
+     "pp 4, one entry per pipeline rank"),
+    ("14", 5, "calls the library",
+     [("    let (c, v, t) = (shape.n_embd as f64, shape.vocab_size as f64, layout.tp as f64);\n",
+       "    let cfg = shardlab::model::GptConfig { vocab_size: shape.vocab_size as i64, block_size: shape.block_size as i64,\n"
+       "        n_layer: shape.n_layer as i64, n_head: shape.n_head as i64, n_embd: shape.n_embd as i64 };\n"
+       "    let dims = shardlab::engine::ParallelDims { dp: layout.dp, tp: layout.tp, pp: layout.pp };\n"
+       "    let data = match layout.zero {\n"
+       "        0 => shardlab::engine::DataDim::Replicate,\n"
+       "        1 => shardlab::engine::DataDim::Zero(shardlab::zero::Stage::One),\n"
+       "        2 => shardlab::engine::DataDim::Zero(shardlab::zero::Stage::Two),\n"
+       "        _ => shardlab::engine::DataDim::Zero(shardlab::zero::Stage::Three),\n"
+       "    };\n"
+       "    return shardlab::engine::fit::rank_state_bytes(&cfg, dims, data).unwrap();\n"
+       "    let (c, v, t) = (shape.n_embd as f64, shape.vocab_size as f64, layout.tp as f64);\n")],
+     "write it yourself"),
+    ("14", 5, "the least bytes first, not the least sharding",
+     [("    candidates.sort_by_key(|l| (l.tp * l.pp, l.pp, l.zero));", "    candidates.sort_by_key(|l| (3 - l.zero, l.tp * l.pp, l.pp));")],
+     "DDP's 16P fits"),
+    ("14", 5, "pipeline before tensor parallelism",
+     [("    candidates.sort_by_key(|l| (l.tp * l.pp, l.pp, l.zero));", "    candidates.sort_by_key(|l| (l.tp * l.pp, l.tp, l.zero));")],
+     "batch 2"),
+    ("14", 5, "a budget of exactly the bytes needed refused",
+     [("        if most <= budget {", "        if most < budget {")],
+     "fits a budget of exactly 16P"),
+    ("14", 5, "replicas that do not divide the batch",
+     [("            if batch % dp != 0 {\n                continue;\n            }\n", "")],
+     "batch 2"),
+    ("14", 5, "more pipeline ranks than stages",
+     [("(world / tp) % p == 0 && p <= shape.n_layer + 2)", "(world / tp) % p == 0)")],
+     "leaves a rank empty"),
+    ("14", 5, "tp not checked against the vocabulary",
+     [("shape.n_head % t == 0 && shape.vocab_size % t == 0)", "shape.n_head % t == 0)")],
+     "vocabulary of 85"),
+    ("14", 5, "only the first rank checked against the budget",
+     [("        let most = rank_state_bytes(shape, &l).into_iter().fold(0.0, f64::max);",
+       "        let most = rank_state_bytes(shape, &l)[0];")],
+     "but its second 203264"),
+    ("14", 5, "the error does not say what the smallest layout needs",
+     [('        Some((b, l)) => format!("nothing fits {budget:.0} bytes a rank: the smallest layout, {l:?}, needs {b:.0}"),',
+       '        Some((b, l)) => format!("nothing fits {budget:.0} bytes a rank"),')],
+     "say (in bytes) what the smallest layout needs"),
 ]
 
 

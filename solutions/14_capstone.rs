@@ -111,3 +111,109 @@ pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, cache: &mut Option<(
     *cache = Some((k_all, v_all));
     y
 }
+
+/// Exercise 5 — which layout fits. The course's GPT by its shape (nanoGPT's names): a token embedding `wte`
+/// (vocab_size × n_embd, tied to the output head), a position embedding `wpe`, `n_layer` blocks
+/// and a final LayerNorm `ln_f`, every linear layer with a bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub vocab_size: usize,
+    pub block_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+}
+
+/// A layout of `dp × tp × pp` ranks: `tp`-way tensor and `pp`-way pipeline parallelism, and on
+/// the data dimension DDP (`zero: 0`) or ZeRO stage `zero` (1, 2 or 3) over `dp` replicas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub zero: u8,
+}
+
+/// (Exercise 5, continued.) The bytes of model state each pipeline rank holds between steps under `layout`
+/// (every tensor-parallel rank of a stage holds as many), one entry per pipeline rank, as the
+/// engine holds them: fp32 weights and gradients and AdamW's two moments, the parameters cut as
+/// lessons 12 and 13 cut them, the data dimension as lesson 07 measured it (README, "Which
+/// layout fits"). The layout is one the engine runs: `tp` divides the heads and the vocabulary,
+/// `pp` is at most the number of stages.
+pub fn rank_state_bytes(shape: &Shape, layout: &Layout) -> Vec<f64> {
+    let (c, v, t) = (shape.n_embd as f64, shape.vocab_size as f64, layout.tp as f64);
+    // The stages the pipeline cuts: the embeddings, each block, the head (ln_f and the tied wte).
+    // A tensor-parallel rank holds 1/t of wte, c_attn, c_fc and both c_proj weights; all of wpe,
+    // the LayerNorms and the row-parallel layers' (the two c_proj) biases.
+    let wte = v * c / t;
+    let embeddings = wte + shape.block_size as f64 * c;
+    let block =
+        4.0 * c + (3.0 * c * c + 3.0 * c) / t + c * c / t + c + (4.0 * c * c + 4.0 * c) / t + 4.0 * c * c / t + c;
+    let stages: Vec<f64> =
+        std::iter::once(embeddings).chain(std::iter::repeat(block).take(shape.n_layer)).chain([2.0 * c]).collect();
+    // Contiguous runs of stages, as equal as they divide, the first ranks one more.
+    let (q, extra) = (stages.len() / layout.pp, stages.len() % layout.pp);
+    let mut at = 0;
+    let n = layout.dp as f64;
+    (0..layout.pp)
+        .map(|r| {
+            let k = q + usize::from(r < extra);
+            let mut p: f64 = stages[at..at + k].iter().sum();
+            // The head's weight is wte: a rank with the head but not the embeddings keeps a copy.
+            if at + k == stages.len() && at > 0 {
+                p += wte;
+            }
+            at += k;
+            // fp32 weights (4), gradients (4), AdamW m and v (8) per parameter.
+            match layout.zero {
+                0 => 16.0 * p,
+                // Stage 1 keeps the full gradient and, beside it, its averaged shard.
+                1 => 8.0 * p + 12.0 * p / n,
+                2 => 4.0 * p + 12.0 * p / n,
+                _ => 16.0 * p / n,
+            }
+        })
+        .collect()
+}
+
+/// (Exercise 5, continued.) The layout to train `shape` with on `world` ranks and a global batch
+/// of `batch` rows (each replica needs whole rows: dp divides the batch), when every rank has
+/// `budget` bytes for model state: of the layouts the engine runs whose every rank fits, the one
+/// with the least model parallelism (tp × pp), then tensor before pipeline parallelism, then the
+/// lowest ZeRO stage (DDP alone when dp = 1). When none fits, an error that says what the
+/// smallest layout would need; also an error for no ranks, no rows or a budget that is not a
+/// positive number.
+pub fn choose_layout(shape: &Shape, world: usize, batch: usize, budget: f64) -> Result<Layout, String> {
+    if world == 0 || batch == 0 {
+        return Err("no ranks or no rows: nothing to lay out".into());
+    }
+    if !(budget.is_finite() && budget > 0.0) {
+        return Err(format!("a budget is a positive number of bytes, not {budget}"));
+    }
+    let mut candidates = Vec::new();
+    for tp in (1..=world).filter(|&t| world % t == 0 && shape.n_head % t == 0 && shape.vocab_size % t == 0) {
+        for pp in (1..=world / tp).filter(|&p| (world / tp) % p == 0 && p <= shape.n_layer + 2) {
+            let dp = world / (tp * pp);
+            if batch % dp != 0 {
+                continue;
+            }
+            let top = if dp > 1 { 3 } else { 0 };
+            candidates.extend((0..=top).map(|zero| Layout { dp, tp, pp, zero }));
+        }
+    }
+    candidates.sort_by_key(|l| (l.tp * l.pp, l.pp, l.zero));
+    let mut smallest: Option<(f64, Layout)> = None;
+    for l in candidates {
+        let most = rank_state_bytes(shape, &l).into_iter().fold(0.0, f64::max);
+        if most <= budget {
+            return Ok(l);
+        }
+        if smallest.is_none_or(|(b, _)| most < b) {
+            smallest = Some((most, l));
+        }
+    }
+    Err(match smallest {
+        None => format!("no layout of {world} ranks runs this model on a batch of {batch} rows"),
+        Some((b, l)) => format!("nothing fits {budget:.0} bytes a rank: the smallest layout, {l:?}, needs {b:.0}"),
+    })
+}

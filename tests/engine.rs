@@ -77,6 +77,27 @@ fn check(name: &str, got: &RunSummary, want: &RunSummary, dir: &Path, file: &str
     }
 }
 
+/// The memory planner (`engine::fit`, lesson 14) against what rank 0 — pipeline rank 0, tensor
+/// rank 0 — holds, counted from its tensors (`RunSummary::memory`, which tests/held_memory.rs
+/// checks against the allocator): within 1 % (ZeRO pads each unit's flat buffer to a multiple of
+/// dp, a few elements).
+fn planned_matches_held(name: &str, r: &RunSummary, tp: usize, pp: usize, strategy: Strategy) {
+    use shardlab::engine::{fit, DataDim, ParallelDims};
+    let data = match strategy {
+        Strategy::Single | Strategy::Ddp => DataDim::Replicate,
+        Strategy::Zero1 => DataDim::Zero(shardlab::zero::Stage::One),
+        Strategy::Zero2 => DataDim::Zero(shardlab::zero::Stage::Two),
+        Strategy::Zero3 => DataDim::Zero(shardlab::zero::Stage::Three),
+    };
+    let dims = ParallelDims::new(r.world_size, tp, pp).unwrap();
+    let planned = fit::rank_state_bytes(&GptConfig::tiny(), dims, data).unwrap()[0];
+    let held = r.memory.model_states() as f64;
+    assert!(
+        (held - planned).abs() <= 0.01 * planned,
+        "{name}: rank 0 holds {held} bytes of model state, the planner says {planned}"
+    );
+}
+
 #[test]
 fn every_layout_trains_like_one_process() {
     let dir = std::env::temp_dir().join(format!("shardlab-engine-{}", std::process::id()));
@@ -87,6 +108,7 @@ fn every_layout_trains_like_one_process() {
     let one8 = job(&dir, 8, "one8.safetensors").fit(single.clone(), false, false).unwrap();
     let one12 = job(&dir, 12, "one12.safetensors").fit(single.clone(), false, false).unwrap();
     let one16 = job(&dir, 16, "one16.safetensors").fit(single, false, false).unwrap();
+    planned_matches_held("single", &one8, 1, 1, Strategy::Single);
     let pp2 = PipelineConfig { stages: 2, micro_batches: 2, schedule: Schedule::OneFOneB };
     let gpipe = PipelineConfig { stages: 2, micro_batches: 4, schedule: Schedule::GPipe };
     let (none, full) = (Checkpointing::None, Checkpointing::Full);
@@ -133,6 +155,7 @@ fn every_layout_trains_like_one_process() {
         };
         check(name, &r, one, &dir, &file, reference);
         assert!(r.bytes_sent_per_step > 0.0, "{name}: the mesh's bytes are counted");
+        planned_matches_held(name, &r, tp, pipeline.stages, strategy);
         held.push((name, r.memory));
     }
     // Gradient accumulation: each replica's rows in 2 micro-batches run one after the other

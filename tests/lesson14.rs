@@ -166,4 +166,140 @@ shardlab::graders! {
             assert!(err < 1e-5, "chunks {chunks:?}: cached attention differs from full causal attention by {err} (scaled by √D? each new token sees every earlier one, and no later one?)");
         }
     }
+
+    /// The capstone's GPT (`lesson14 fit`): vocabulary 84, context 64, 4 layers, 4 heads, 128 wide.
+    /// Its parameters, by hand (C = 128): wte 84·C = 10752, wpe 64·C = 8192, a block 2·2C
+    /// (LayerNorms) + 3C² + 3C (c_attn) + C² + C (attn.c_proj) + 4C² + 4C (c_fc) + 4C² + C
+    /// (mlp.c_proj) = 198272, ln_f 2C = 256; in all P = 812288.
+    fn capstone() -> Shape {
+        Shape { vocab_size: 84, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 }
+    }
+
+    fn layout(dp: usize, tp: usize, pp: usize, zero: u8) -> Layout {
+        Layout { dp, tp, pp, zero }
+    }
+
+    /// What rank 0 of a real run holds after 2 steps, counted from its tensors (the same count
+    /// `lesson14 fit` prints; tests/held_memory.rs checks it against the allocator).
+    fn held_by_rank0(world: usize, tp: usize, pp: usize, strategy: shardlab::prelude::Strategy) -> f64 {
+        use shardlab::job::{DataSource, GptJob};
+        use shardlab::pipeline::PipelineConfig;
+        use shardlab::prelude::*;
+        let job = GptJob {
+            model: GptConfig { vocab_size: 64, block_size: 16, n_layer: 2, n_head: 2, n_embd: 32 },
+            batch_size: 2,
+            accum: 1,
+            steps: 2,
+            warmup: 0,
+            optim: AdamWConfig::default(),
+            lr_schedule: None,
+            grad_clip: None,
+            data: DataSource::Synthetic { tokens: 2000, seed: 1 },
+            seed: 1,
+            init: None,
+            save: None,
+            checkpoint: Default::default(),
+            eval: Default::default(),
+        };
+        let s = ScalingConfig {
+            num_workers: world,
+            strategy,
+            tensor_parallel: tp,
+            pipeline: PipelineConfig { stages: pp, micro_batches: pp, ..PipelineConfig::default() },
+            threads_per_worker: Some(1),
+            ..ScalingConfig::default()
+        };
+        job.fit(s, false, false).expect("the measuring run").memory.model_states() as f64
+    }
+
+    #[test]
+    fn ex5_each_rank_holds_what_the_engine_holds() {
+        shardlab::grading::refuse_twins(GRADER, 5, TWINS);
+        let c = capstone();
+        let p = 812288.0;
+        let got = |l: Layout| rank_state_bytes(&c, &l);
+        let same = |a: &[f64], b: &[f64]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 0.5);
+        // Data parallel over 4, fp32 AdamW: 4 bytes of weight, 4 of gradient, 8 of m and v.
+        assert!(same(&got(layout(4, 1, 1, 0)), &[16.0 * p]), "DDP: every replica holds 16 bytes a parameter: {:?}", got(layout(4, 1, 1, 0)));
+        assert!(same(&got(layout(4, 1, 1, 3)), &[4.0 * p]), "ZeRO-3 over 4: everything sharded, 16P/4: {:?}", got(layout(4, 1, 1, 3)));
+        assert!(same(&got(layout(4, 1, 1, 2)), &[7.0 * p]), "ZeRO-2 over 4: weights whole (4P), gradients and AdamW sharded (12P/4): {:?}", got(layout(4, 1, 1, 2)));
+        // Stage 1: weights 4P, the full gradient 4P and its averaged shard P, AdamW 8P/4 = 11P.
+        assert!(same(&got(layout(4, 1, 1, 1)), &[11.0 * p]), "ZeRO-1 over 4, as shardlab's stage 1 holds it (lesson 07: the full gradient and, beside it, the averaged shard): {:?}", got(layout(4, 1, 1, 1)));
+        // Tensor parallel 2: wte 5376 and c_attn, both c_proj weights, c_fc halved; wpe, the
+        // LayerNorms, the two c_proj biases and ln_f whole. A block: 512 + 24768 + 8192 + 128 +
+        // 33024 + 32768 + 128 = 99520; in all 5376 + 8192 + 4·99520 + 256 = 411904, not P/2.
+        assert!(same(&got(layout(2, 2, 1, 0)), &[16.0 * 411904.0]), "DDP × tp 2: {:?}, want {} (what does t not divide?)", got(layout(2, 2, 1, 0)), 16.0 * 411904.0);
+        assert!(same(&got(layout(2, 2, 1, 3)), &[8.0 * 411904.0]), "ZeRO-3 over 2 × tp 2: {:?}", got(layout(2, 2, 1, 3)));
+        // Pipeline 4 over the 6 stages (embeddings, 4 blocks, head): 2, 2, 1, 1 — embeddings +
+        // block 0 = 217216; blocks 1–2 = 396544; block 3 = 198272; ln_f + the tied wte = 11008.
+        let want: Vec<f64> = [217216.0, 396544.0, 198272.0, 11008.0].iter().map(|x| 16.0 * x).collect();
+        assert!(same(&got(layout(1, 1, 4, 0)), &want), "pp 4, one entry per pipeline rank: {:?}, want {want:?} (which stages does each rank take, and where does the tied head's weight live?)", got(layout(1, 1, 4, 0)));
+        // tp 2 × pp 2: 3 stages each, halved as above: 5376 + 8192 + 2·99520 = 212608; 2·99520 +
+        // 256 + 5376 = 204672.
+        let want = [16.0 * 212608.0, 16.0 * 204672.0];
+        assert!(same(&got(layout(1, 2, 2, 0)), &want), "tp 2 × pp 2: {:?}, want {want:?}", got(layout(1, 2, 2, 0)));
+        // Against real runs of a small GPT (vocabulary 64, context 16, 2 layers, 2 heads, 32
+        // wide): what rank 0 — pipeline rank 0, tensor rank 0 — holds, within 1 % (ZeRO pads its
+        // flat buffers by a few elements).
+        use shardlab::prelude::Strategy;
+        let small = Shape { vocab_size: 64, block_size: 16, n_layer: 2, n_head: 2, n_embd: 32 };
+        for (name, world, tp, pp, strategy, zero) in [
+            ("zero1 × 2", 2, 1, 1, Strategy::Zero1, 1),
+            ("zero2 × 2", 2, 1, 1, Strategy::Zero2, 2),
+            ("tp 2", 2, 2, 1, Strategy::Ddp, 0),
+            ("pp 2", 2, 1, 2, Strategy::Ddp, 0),
+            ("zero3 × 2 × tp 2", 4, 2, 1, Strategy::Zero3, 3),
+        ] {
+            let l = layout(world / (tp * pp), tp, pp, zero);
+            let planned = rank_state_bytes(&small, &l);
+            let held = held_by_rank0(world, tp, pp, strategy);
+            assert!(!planned.is_empty() && (planned[0] - held).abs() <= 0.01 * held, "{name}: rank 0 of a real run holds {held} bytes of model state; you say {:?}", planned.first());
+        }
+    }
+
+    #[test]
+    fn ex5_the_layout_chosen_for_a_budget() {
+        shardlab::grading::refuse_twins(GRADER, 5, TWINS);
+        let c = capstone();
+        let pick = |batch: usize, budget: f64| choose_layout(&c, 4, batch, budget);
+        // 4 ranks, a batch of 12: data parallel over 4, the lowest stage that fits (the totals of
+        // the exercise before: 16P = 12996608, 11P = 8935168, 7P = 5686016, 4P = 3249152).
+        assert_eq!(pick(12, 12996608.0), Ok(layout(4, 1, 1, 0)), "DDP's 16P fits a budget of exactly 16P");
+        assert_eq!(pick(12, 12996607.0), Ok(layout(4, 1, 1, 1)), "a byte short of DDP: the lowest ZeRO stage that fits");
+        assert_eq!(pick(12, 8935167.0), Ok(layout(4, 1, 1, 2)), "a byte short of ZeRO-1");
+        assert_eq!(pick(12, 5686015.0), Ok(layout(4, 1, 1, 3)), "a byte short of ZeRO-2");
+        assert_eq!(pick(12, 3300000.0), Ok(layout(4, 1, 1, 3)), "ZeRO-3 over 4 holds the least: 3249152");
+        let e = pick(12, 3249151.0).expect_err("a byte short of ZeRO-3 over 4: nothing holds less, nothing fits");
+        assert!(e.contains("3249152"), "say (in bytes) what the smallest layout needs: {e}");
+        // A batch of 2 rows: 2 replicas at most, so tp × pp = 2 — tensor before pipeline
+        // (ddp2×tp2 holds 6590464 bytes, ddp2×pp2 6647808: both fit the second budget).
+        assert_eq!(pick(2, 4061440.0), Ok(layout(2, 2, 1, 3)), "batch 2, 5 bytes a parameter: ZeRO-3 over 2 × tp 2 (3295232)");
+        assert_eq!(pick(2, 6647808.0), Ok(layout(2, 2, 1, 0)), "batch 2: DDP × tp 2 fits and comes before pipeline parallelism");
+        assert_eq!(pick(2, 6092160.0), Ok(layout(2, 2, 1, 1)), "batch 2, 7.5 bytes a parameter: ZeRO-1 over 2 × tp 2 (5766656)");
+        // A batch of 1: one replica, DDP (nothing to shard over): tp 4 (3387392), then tp 2 ×
+        // pp 2 (3401728 on its first rank), then pp 4 (6344704 on its second).
+        assert_eq!(pick(1, 3400000.0), Ok(layout(1, 4, 1, 0)), "batch 1: one replica of tp 4");
+        assert_eq!(pick(1, 6344704.0), Ok(layout(1, 4, 1, 0)), "tp 4 fits whenever pp 4 does");
+        let e = pick(1, 3387391.0).expect_err("batch 1, a byte short of tp 4: nothing fits");
+        assert!(e.contains("3387392"), "say (in bytes) what the smallest layout needs: {e}");
+        // What the engine cannot run is not a candidate: 3 heads (tp 2 does not divide them),
+        // a vocabulary of 85 (nor it), 1 layer (3 stages: pp 4 has a rank with nothing).
+        let odd_heads = Shape { vocab_size: 84, block_size: 64, n_layer: 4, n_head: 3, n_embd: 96 };
+        assert_eq!(choose_layout(&odd_heads, 2, 1, 1e12), Ok(layout(1, 1, 2, 0)), "3 heads on 2 ranks, batch 1: tp 2 cannot split 3 heads, so pp 2");
+        let odd_vocab = Shape { vocab_size: 85, ..c };
+        assert_eq!(choose_layout(&odd_vocab, 2, 1, 1e12), Ok(layout(1, 1, 2, 0)), "a vocabulary of 85 cannot be split in 2: pp 2");
+        let one_layer = Shape { n_layer: 1, n_head: 1, n_embd: 32, ..c };
+        assert_eq!(choose_layout(&one_layer, 3, 1, 1e12), Ok(layout(1, 1, 3, 0)), "1 layer, 3 ranks, batch 1: 3 stages (embeddings, block, head), one each");
+        assert!(choose_layout(&one_layer, 4, 1, 1e12).is_err(), "1 layer, 1 head, 4 ranks, batch 1: no tp, and pp 4 over 3 stages leaves a rank empty");
+        // Every rank must fit, not only the first: 1 head, 2 layers, 32 wide on 4 ranks is pp 4,
+        // whose ranks hold the embeddings (84·32 + 64·32 = 4736 parameters), a block (12704), a
+        // block, and ln_f + wte (2752): 16 · 12704 = 203264 bytes on ranks 1 and 2.
+        let narrow = Shape { vocab_size: 84, block_size: 64, n_layer: 2, n_head: 1, n_embd: 32 };
+        assert_eq!(choose_layout(&narrow, 4, 1, 203264.0), Ok(layout(1, 1, 4, 0)), "pp 4 of a 2-layer, 1-head GPT: its largest rank holds 203264 bytes");
+        assert!(choose_layout(&narrow, 4, 1, 160000.0).is_err(), "pp 4's first rank holds 75776 bytes, but its second 203264: a budget of 160000 fits no layout");
+        // Bad input is an error, not a layout.
+        for (world, batch, budget) in [(0, 12, 1e12), (4, 0, 1e12), (4, 12, f64::NAN), (4, 12, 0.0), (4, 12, -1.0), (4, 12, f64::INFINITY)] {
+            assert!(choose_layout(&c, world, batch, budget).is_err(), "world {world}, batch {batch}, budget {budget}: an error");
+        }
+    }
 }

@@ -1,7 +1,8 @@
 //! Lesson 14 — the capstone: your exercises.
 //! Replace each `todo!()`; check your work with `cargo grade 14`. Hints: `cargo grade 14 --hint K`.
 //! Write these yourself: the grader refuses an answer that calls shardlab's own copy
-//! (`shardlab::corpus`, `shardlab::model::sample_next`, the GPT's cached forward).
+//! (`shardlab::corpus`, `shardlab::model::sample_next`, the GPT's cached forward,
+//! `shardlab::engine::fit`).
 #![allow(unused_variables, unused_imports, unused_mut)]
 
 use tch::{Kind, Tensor};
@@ -59,5 +60,50 @@ pub fn draw(probs: &[f64], u: f64) -> usize {
 pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, cache: &mut Option<(Tensor, Tensor)>) -> Tensor {
     // TODO: grow the cache along the time dimension, then attend (README, "Decoding with a KV
     // cache"); mind where each new token sits when T_new > 1.
+    todo!()
+}
+
+/// Exercise 5 — which layout fits. The course's GPT by its shape (nanoGPT's names): a token embedding `wte`
+/// (vocab_size × n_embd, tied to the output head), a position embedding `wpe`, `n_layer` blocks
+/// and a final LayerNorm `ln_f`, every linear layer with a bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub vocab_size: usize,
+    pub block_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+}
+
+/// A layout of `dp × tp × pp` ranks: `tp`-way tensor and `pp`-way pipeline parallelism, and on
+/// the data dimension DDP (`zero: 0`) or ZeRO stage `zero` (1, 2 or 3) over `dp` replicas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub zero: u8,
+}
+
+/// (Exercise 5, continued.) The bytes of model state each pipeline rank holds between steps under `layout`
+/// (every tensor-parallel rank of a stage holds as many), one entry per pipeline rank, as the
+/// engine holds them: fp32 weights and gradients and AdamW's two moments, the parameters cut as
+/// lessons 12 and 13 cut them, the data dimension as lesson 07 measured it (README, "Which
+/// layout fits"). The layout is one the engine runs: `tp` divides the heads and the vocabulary,
+/// `pp` is at most the number of stages.
+pub fn rank_state_bytes(shape: &Shape, layout: &Layout) -> Vec<f64> {
+    // TODO: count what one rank of each pipeline stage holds, then the bytes its strategy keeps.
+    todo!()
+}
+
+/// (Exercise 5, continued.) The layout to train `shape` with on `world` ranks and a global batch
+/// of `batch` rows (each replica needs whole rows: dp divides the batch), when every rank has
+/// `budget` bytes for model state: of the layouts the engine runs whose every rank fits, the one
+/// with the least model parallelism (tp × pp), then tensor before pipeline parallelism, then the
+/// lowest ZeRO stage (DDP alone when dp = 1). When none fits, an error that says what the
+/// smallest layout would need; also an error for no ranks, no rows or a budget that is not a
+/// positive number.
+pub fn choose_layout(shape: &Shape, world: usize, batch: usize, budget: f64) -> Result<Layout, String> {
+    // TODO: enumerate, filter, order by preference (README, "Which layout fits").
     todo!()
 }

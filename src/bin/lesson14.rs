@@ -8,6 +8,7 @@
 //! cargo run --release --bin lesson14 -- layouts        # one seed under single, DDP × 2, ZeRO-3 × 2, tp 2, pp 2
 //! cargo run --release --bin lesson14 -- killed         # a rank SIGKILLed mid-run, --max-restarts 1
 //! cargo run --release --bin lesson14 -- decode         # decode tokens/s with and without the KV cache
+//! cargo run --release --bin lesson14 -- fit            # which layout of 4 ranks fits a memory budget
 //! ```
 //!
 //! `--quick` runs each on practice text made here (`corpus::practice_documents`) with a tiny GPT,
@@ -19,6 +20,7 @@ use clap::{Parser, Subcommand};
 use serde_json::json;
 use shardlab::corpus::{build_char_layout, practice_documents, unigram_cross_entropy, Meta};
 use shardlab::data::Tokens;
+use shardlab::engine::{fit, DataDim};
 use shardlab::job::{self, CheckpointConfig, DataSource, Elastic, EvalConfig, GptJob};
 use shardlab::model::{Gpt, Sampling};
 use shardlab::pipeline::PipelineConfig;
@@ -51,6 +53,7 @@ enum Part {
     Layouts,
     Killed,
     Decode,
+    Fit,
 }
 
 /// The recommended run (lesson 14, "The recommended run"), or the quick one.
@@ -333,10 +336,87 @@ fn main() -> anyhow::Result<()> {
                      format!("{name} ({cfg:?}): {n} tokens, {fast:.0} tokens/s with the KV cache, {slow:.0} without ({:.1}×), the same tokens", fast / slow));
             }
         }
+        Part::Fit => fit_part(&a, &base)?,
     }
     // The temporary folder goes, except a training run's checkpoints (to sample from).
     if a.dir.is_none() && !is_spawned_child() && (a.part != Part::Train || a.quick) {
         let _ = std::fs::remove_dir_all(&root);
+    }
+    Ok(())
+}
+
+/// Which layout of 4 ranks fits a budget: every layout's model-state bytes per rank as the planner
+/// counts them ([`fit`]) against what rank 0 holds after a step, counted from its tensors; then
+/// the planner's choice for budgets from DDP's 16 bytes a parameter down to below ZeRO-3's.
+fn fit_part(a: &Args, base: &GptJob) -> anyhow::Result<()> {
+    let (world, batch) = (4, 12);
+    // Tensor parallelism over 2 and 4 splits the vocabulary: padded to a multiple of 4 (84 is one
+    // already; the practice text's is not), the padding ids never occurring.
+    let mut base = base.clone();
+    base.model.vocab_size = (base.model.vocab_size + 3) / 4 * 4;
+    let cfg = base.model;
+    let p = cfg.num_params() as f64;
+    emit(
+        a,
+        json!({"model": cfg, "params": cfg.num_params(), "world": world, "batch": batch}),
+        format!("{cfg:?}: {} parameters, {world} ranks, a global batch of {batch} rows\n\
+                 layout            planned rank 0   planned largest   held by rank 0 (measured)   + a step's transient peak", cfg.num_params()),
+    );
+    for (dims, data) in fit::layouts(&cfg, world, batch) {
+        let name = dims.name(data, false);
+        let planned = fit::rank_state_bytes(&cfg, dims, data).map_err(anyhow::Error::msg)?;
+        let largest = planned.iter().copied().fold(0.0, f64::max);
+        let strategy = match data {
+            DataDim::Replicate => Strategy::Ddp,
+            DataDim::Zero(shardlab::zero::Stage::One) => Strategy::Zero1,
+            DataDim::Zero(shardlab::zero::Stage::Two) => Strategy::Zero2,
+            DataDim::Zero(shardlab::zero::Stage::Three) => Strategy::Zero3,
+        };
+        let s = ScalingConfig {
+            num_workers: world,
+            strategy,
+            tensor_parallel: dims.tp,
+            pipeline: PipelineConfig { stages: dims.pp, micro_batches: dims.pp, ..PipelineConfig::default() },
+            threads_per_worker: Some(1),
+            ..ScalingConfig::default()
+        };
+        let j = GptJob { steps: 2, warmup: 0, batch_size: batch / world, eval: EvalConfig::default(), ..base.clone() };
+        let r = j.fit(s, false, false)?;
+        let held = r.memory.model_states();
+        emit(
+            a,
+            json!({"layout": name, "planned_rank0": planned[0], "planned_largest": largest, "held_rank0": held,
+                   "peak_transient_rank0": r.memory.peak_transient}),
+            format!(
+                "{name:<16} {:>12.0} B {:>15.0} B {:>15} B ({:+.2} %) {:>12} B",
+                planned[0],
+                largest,
+                held,
+                100.0 * (held as f64 - planned[0]) / planned[0],
+                r.memory.peak_transient
+            ),
+        );
+    }
+    // Budgets between the strategies' totals over 4 replicas: 16P (DDP), 11P (ZeRO-1), 7P (ZeRO-2),
+    // 4P (ZeRO-3), and below; then batches of 2 rows and 1, which allow 2 replicas and 1 at most.
+    for (budget, rows) in
+        [(16.0, batch), (15.0, batch), (10.0, batch), (5.0, batch), (3.9, batch), (5.0, 2), (7.5, 2), (4.5, 1)]
+    {
+        let bytes = budget * p;
+        let v = match fit::choose(&cfg, world, rows, bytes) {
+            Ok((dims, data, need)) => {
+                let name = dims.name(data, false);
+                emit(a, json!({"budget_bytes": bytes, "batch": rows, "chosen": name, "bytes": need}),
+                     format!("budget {bytes:>11.0} B ({budget:>4} bytes a parameter), batch {rows:>2}: {name} ({need:.0} B on its largest rank)"));
+                continue;
+            }
+            Err(e) => e,
+        };
+        emit(
+            a,
+            json!({"budget_bytes": bytes, "batch": rows, "error": v}),
+            format!("budget {bytes:>11.0} B ({budget:>4} bytes a parameter), batch {rows:>2}: {v}"),
+        );
     }
     Ok(())
 }

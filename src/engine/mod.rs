@@ -32,10 +32,11 @@
 //! so [`checkpoint::save`](crate::checkpoint::save) and [`load`](crate::checkpoint::load) take
 //! any layout to any other (`state.rs`).
 //!
-//! Files: this one (the layout), `piece.rs` (what a piece is; tensor and pipeline pieces),
+//! Files: this one (the layout), `fit.rs` (which layout fits a memory budget), `piece.rs` (what a piece is; tensor and pipeline pieces),
 //! `tp_pipeline.rs` (the 3-D piece), `step.rs` (the engine and its step), `state.rs` (what a rank
 //! holds, for checkpoints).
 
+pub mod fit;
 mod piece;
 mod state;
 mod step;

@@ -150,7 +150,7 @@ impl Trainer {
             anyhow::bail!("blocks_per_unit must be at least 1");
         }
         // More compute threads than cores: every rank waits for the others' time slices, and a
-        // collective runs at the pace of the slowest. Say so once (the driver only).
+        // collective runs at the pace of the slowest. Say so once a process (the driver only).
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         // SHARDLAB_NUM_THREADS wins over threads_per_worker in the launcher; count what it will use.
         let per = std::env::var("SHARDLAB_NUM_THREADS")
@@ -160,13 +160,16 @@ impl Trainer {
             .unwrap_or(1)
             .max(1) as usize;
         let threads = s.num_workers * per;
+        static SAID: std::sync::Once = std::sync::Once::new();
         if threads > cores && !crate::launch::is_spawned_child() {
-            eprintln!(
-                "warning: {} worker(s) × {per} libtorch thread(s) = {threads} compute threads on {cores} core(s): \
+            SAID.call_once(|| {
+                eprintln!(
+                    "warning: {} worker(s) × {per} libtorch thread(s) = {threads} compute threads on {cores} core(s): \
                  oversubscribed, steps will be slower and uneven (fewer workers, or fewer threads per worker: \
                  train --threads, SHARDLAB_NUM_THREADS, ScalingConfig::threads_per_worker)",
-                s.num_workers
-            );
+                    s.num_workers
+                )
+            });
         }
         Ok(())
     }
