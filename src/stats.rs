@@ -34,6 +34,30 @@ pub struct DdpStats {
 }
 
 impl DdpStats {
+    /// What happened between `before` and `self` (two readings of the same strategy's counters).
+    pub fn since(&self, before: &DdpStats) -> DdpStats {
+        self.zip(before, |a, b| a - b, |a, b| a - b)
+    }
+
+    /// Both readings' counts together.
+    pub fn plus(&self, other: &DdpStats) -> DdpStats {
+        self.zip(other, |a, b| a + b, |a, b| a + b)
+    }
+
+    fn zip(&self, o: &DdpStats, n: impl Fn(u64, u64) -> u64, s: impl Fn(f64, f64) -> f64) -> DdpStats {
+        DdpStats {
+            syncs: n(self.syncs, o.syncs),
+            compute_s: s(self.compute_s, o.compute_s),
+            comm_s: s(self.comm_s, o.comm_s),
+            exposed_s: s(self.exposed_s, o.exposed_s),
+            bytes: n(self.bytes, o.bytes),
+            gather_s: s(self.gather_s, o.gather_s),
+            gather_exposed_s: s(self.gather_exposed_s, o.gather_exposed_s),
+            d2h_bytes: n(self.d2h_bytes, o.d2h_bytes),
+            h2d_bytes: n(self.h2d_bytes, o.h2d_bytes),
+        }
+    }
+
     /// Fraction of the communication time hidden behind backward compute.
     pub fn hidden_fraction(&self) -> f64 {
         if self.comm_s <= 0.0 {

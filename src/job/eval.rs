@@ -76,8 +76,11 @@ pub struct Evaluator {
     samplers: [DistributedSampler; 2],
     /// Every evaluation so far (this run).
     pub points: Vec<EvalPoint>,
-    /// The lowest val loss so far, this run's or the resumed checkpoint's.
+    /// The lowest val loss so far, this run's or the resumed checkpoint's ([`Self::carry_best`]).
     pub best: f64,
+    /// The step of [`Self::best`] (`None` before the first evaluation, or carried from a
+    /// checkpoint that did not record it).
+    pub best_step: Option<u64>,
     /// When this rank's evaluator was made (the run's start, for `elapsed_s`).
     started: Instant,
 }
@@ -98,8 +101,52 @@ impl Evaluator {
             samplers: [sampler(TRAIN_SALT)?, sampler(VAL_SALT)?],
             points: Vec::new(),
             best: f64::INFINITY,
+            best_step: None,
             started: Instant::now(),
         }))
+    }
+
+    /// Carry the best val loss on from a resumed checkpoint's `extra` (its `best_val_loss` and
+    /// `best_step`) — unless it would compare unlike with unlike, or describe a `best/` that is
+    /// not there: the checkpoint's evaluations averaged another number of batches (another
+    /// estimator), or `CHECKPOINT_DIR/best` holds another step than the checkpoint's best (a run
+    /// resumed from before a later best of another timeline, a folder reused). Then the run starts
+    /// its best afresh, and its first evaluation after step 0 replaces `best/`; `note` says so on
+    /// standard error. A checkpoint without `best_step` (older) carries its best as before.
+    pub fn carry_best(
+        &mut self,
+        extra: Option<&serde_json::Value>,
+        dir: Option<&std::path::Path>,
+        note: bool,
+    ) -> anyhow::Result<()> {
+        let Some(extra) = extra else { return Ok(()) };
+        let Some(best) = extra.get("best_val_loss").and_then(|v| v.as_f64()) else { return Ok(()) };
+        let step = extra.get("best_step").and_then(|v| v.as_u64());
+        let iters = extra.pointer("/job/eval/iters").and_then(|v| v.as_u64());
+        let why = if iters.is_some_and(|i| i != self.cfg.iters as u64) {
+            Some(format!("its evaluations averaged {} batches, this run's {}", iters.unwrap_or(0), self.cfg.iters))
+        } else {
+            let on_disk = match dir {
+                Some(d) => crate::checkpoint::try_committed(&best_dir(d))?.last().map(|(s, _)| *s),
+                None => step,
+            };
+            match (step, on_disk) {
+                (Some(s), Some(d)) if s != d => {
+                    Some(format!("best/ holds step {d}, not the checkpoint's best, step {s}"))
+                }
+                (Some(s), None) => Some(format!("best/ does not hold the checkpoint's best, step {s}")),
+                _ => None,
+            }
+        };
+        match why {
+            None => (self.best, self.best_step) = (best, step),
+            Some(why) if note => eprintln!(
+                "note: the resumed checkpoint's best val loss ({best:.4}) is not carried on ({why}); this run's \
+                 first evaluation after step 0 takes best/"
+            ),
+            Some(_) => {}
+        }
+        Ok(())
     }
 
     /// Whether to evaluate before step `step` of a run of `steps` (`step == steps`: after the last).
@@ -141,9 +188,13 @@ impl Evaluator {
             p.train_loss,
             p.val_loss
         );
+        // Every rank holds the same val loss (the result of the same all-reduce, bitwise: the
+        // collectives' results are copies of one reduction), so every rank decides alike and
+        // enters the best checkpoint's save, a collective, together.
         let best = p.val_loss < self.best;
         if best {
             self.best = p.val_loss;
+            self.best_step = Some(step);
         }
         self.points.push(p);
         Ok((p, best))
@@ -237,9 +288,44 @@ mod tests {
             best.push(b);
         }
         assert_eq!(best, vec![true, true, false, true]);
-        assert_eq!(ev.best, 0.5);
+        assert_eq!((ev.best, ev.best_step), (0.5, Some(10)));
         // 3 train + 3 val batches per evaluation, the same six every time.
         assert_eq!(seen.len(), 24);
         assert!(seen.chunks(6).all(|c| c == &seen[..6]), "{seen:?}");
+    }
+
+    /// A resumed checkpoint's best is carried on only when `best/` holds its step and the
+    /// evaluations average as many batches; an older checkpoint (no `best_step`) carries it.
+    #[test]
+    fn the_best_is_carried_only_onto_its_own_timeline() {
+        let j = job();
+        let dir = std::env::temp_dir().join(format!("shardlab-carry-best-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // best/ holds a committed step 6 (a folder with its metadata file).
+        let six = best_dir(&dir).join(crate::checkpoint::step_dir_name(6));
+        std::fs::create_dir_all(&six).unwrap();
+        std::fs::write(six.join("metadata.json"), "{}").unwrap();
+        let extra = |step: Option<u64>, iters: usize| serde_json::json!({"best_val_loss": 1.25, "best_step": step, "job": {"eval": {"iters": iters}}});
+        let carried = |e: serde_json::Value, d: Option<&std::path::Path>| {
+            let mut ev = Evaluator::new(&j, 0, 1, 1).unwrap().unwrap();
+            ev.carry_best(Some(&e), d, false).unwrap();
+            (ev.best, ev.best_step)
+        };
+        assert_eq!(carried(extra(Some(6), 3), Some(&dir)), (1.25, Some(6)), "best/ holds the checkpoint's best");
+        assert_eq!(
+            carried(extra(Some(3), 3), Some(&dir)),
+            (f64::INFINITY, None),
+            "best/ holds another timeline's step 6"
+        );
+        assert_eq!(carried(extra(Some(6), 5), Some(&dir)), (f64::INFINITY, None), "5 batches then, 3 now");
+        assert_eq!(carried(extra(Some(6), 3), Some(&dir.join("elsewhere"))), (f64::INFINITY, None), "no best/ there");
+        assert_eq!(
+            carried(extra(Some(3), 3), None),
+            (1.25, Some(3)),
+            "no checkpoint folder: nothing on disk to disagree"
+        );
+        let old = serde_json::json!({"best_val_loss": 1.25, "job": {"eval": {"iters": 3}}});
+        assert_eq!(carried(old, Some(&dir)), (1.25, None), "an older checkpoint without best_step");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

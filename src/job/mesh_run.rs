@@ -128,14 +128,14 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     let mut engine = parallelize(ctx.group(), &plan, &job.model, &build)?;
     let data = job.data.load()?;
     let mut opt = AdamW::new(job.optim);
-    let (mut start, mut resumed_best) = (0, None);
+    let (mut start, mut resumed) = (0, None);
     let (mut save_s, mut save_bytes, mut load_s, mut load_bytes) = (0.0, 0, 0.0, 0);
     if let Some(from) = &job.checkpoint.resume {
         let r = crate::checkpoint::load(&mut engine, &mut opt, from)?;
         (load_s, load_bytes) = (r.seconds, r.bytes);
         job.check_resumable(&r.extra, n)?;
-        resumed_best = r.extra.get("best_val_loss").and_then(|v| v.as_f64());
         start = r.step;
+        resumed = Some(r.extra);
         anyhow::ensure!(
             start <= job.steps,
             "the checkpoint is at step {start}, past this run's {} steps (to train on, ask for more --steps with the \
@@ -146,8 +146,8 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     let dp = engine.mesh().coord("dp");
     let sampler = DistributedSampler::new(job.model.block_size as usize, job.batch_size * n, dp, dims.dp, job.seed)?;
     let mut evals = super::eval::Evaluator::new(job, dp, dims.dp, n)?;
-    if let (Some(ev), Some(b)) = (evals.as_mut(), resumed_best) {
-        ev.best = b;
+    if let Some(ev) = evals.as_mut() {
+        ev.carry_best(resumed.as_ref(), job.checkpoint.dir.as_deref(), ctx.rank() == 0)?;
     }
     let layout = dims.name(plan.data, s.sequence_parallel);
     let tokens_per_step = (job.batch_size * n) as f64 * job.model.block_size as f64;
@@ -170,7 +170,7 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
             if let (true, Some(dir)) = (best && step > 0, &job.checkpoint.dir) {
                 let extra = json!({"job": job, "strategy": s.strategy, "world_size": n, "layout": layout,
                                    "precision": s.precision, "scaler": null, "loss": losses.last(),
-                                   "val_loss": p.val_loss, "best_val_loss": ev.best});
+                                   "val_loss": p.val_loss, "best_val_loss": ev.best, "best_step": ev.best_step});
                 super::eval::save_best(&engine, &opt, dir, step, extra)?;
             }
             eval_sent += sent(ctx, &engine) - before;
@@ -180,7 +180,8 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
             if every || (step == job.steps && job.checkpoint.at_end) {
                 let extra = json!({"job": job, "strategy": s.strategy, "world_size": n, "layout": layout,
                                    "precision": s.precision, "scaler": null, "loss": losses.last(),
-                                   "best_val_loss": evals.as_ref().map(|e| e.best)});
+                                   "best_val_loss": evals.as_ref().map(|e| e.best),
+                                   "best_step": evals.as_ref().and_then(|e| e.best_step)});
                 let opts = crate::checkpoint::SaveOptions { keep_last: job.checkpoint.keep_last, ..Default::default() };
                 let r = crate::checkpoint::save(&engine, &opt, dir, step, extra, &opts)
                     .map_err(|e| anyhow::anyhow!("after step {}: saving the checkpoint: {e:#}", step - 1))?;

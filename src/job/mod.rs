@@ -156,13 +156,16 @@ pub struct RunSummary {
     pub comm_s: f64,
     pub exposed_comm_s: f64,
     pub hidden_comm_fraction: f64,
+    /// The data-parallel strategy's counters over the training steps (evaluations' forwards,
+    /// ZeRO-3's gathers for them, taken out).
     pub ddp: DdpStats,
     /// Bytes this rank holds (rank 0), counted from its tensors.
     pub memory: crate::zero::MemoryStats,
     /// Communication bytes this rank sent over the run, per step.
     pub bytes_sent_per_step: f64,
-    /// Peak resident set size of rank 0's process during the training steps (meaningful when
-    /// ranks are processes).
+    /// Peak resident set size of rank 0's process during the training steps and evaluations
+    /// (an evaluation holds no more than a step: the same micro-batches, forward only or with its
+    /// gradients dropped; meaningful when ranks are processes).
     pub peak_rss_bytes: Option<u64>,
     /// On a GPU: rank 0's device (name, bytes in use on it, capacity) after the last step.
     #[serde(default)]

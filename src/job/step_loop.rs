@@ -34,17 +34,17 @@ impl GptJob {
         let (rank, n) = (ctx.rank(), ctx.world_size());
         // fp16 needs dynamic loss scaling (PyTorch's GradScaler rules); bf16 and fp32 do not.
         let mut scaler = ctx.scaler();
-        let (mut start, mut resumed_best) = (0, None);
+        let (mut start, mut resumed) = (0, None);
         let (mut save_s, mut save_bytes, mut load_s, mut load_bytes) = (0.0, 0, 0.0, 0);
         if let Some(from) = &self.checkpoint.resume {
             let r = crate::checkpoint::load(&mut *dp, &mut opt, from)?;
             (load_s, load_bytes) = (r.seconds, r.bytes);
             self.check_resumable(&r.extra, n)?;
-            resumed_best = r.extra.get("best_val_loss").and_then(|v| v.as_f64());
             if let (Some(s), Some(saved)) = (scaler.as_mut(), r.extra.get("scaler").filter(|v| !v.is_null())) {
                 *s = serde_json::from_value(saved.clone())?;
             }
             start = r.step;
+            resumed = Some(r.extra);
             anyhow::ensure!(
                 start <= self.steps,
                 "the checkpoint is at step {start}, past this run's {} steps (to train on, ask for more --steps with \
@@ -54,14 +54,15 @@ impl GptJob {
         }
         let sampler = DistributedSampler::new(self.model.block_size as usize, self.batch_size * n, rank, n, self.seed)?;
         let mut evals = super::eval::Evaluator::new(self, rank, n, n)?;
-        if let (Some(ev), Some(b)) = (evals.as_mut(), resumed_best) {
-            ev.best = b;
+        if let Some(ev) = evals.as_mut() {
+            ev.carry_best(resumed.as_ref(), self.checkpoint.dir.as_deref(), rank == 0)?;
         }
         let tokens_per_step = (self.batch_size * n) as f64 * self.model.block_size as f64;
         let (mut step_s, mut losses, mut norms) = (Vec::new(), Vec::new(), Vec::new());
         let sent0 = ctx.group().stats().bytes_sent;
-        // Bytes the evaluations sent (and their best checkpoints' agreement): not training traffic.
-        let mut eval_sent = 0;
+        // Bytes the evaluations sent, and the strategy's timings during them (ZeRO's gathers for
+        // the forward): not training's.
+        let (mut eval_sent, mut eval_stats) = (0, crate::stats::DdpStats::default());
         // Peak RSS from here on: the training steps, not the construction of the full model.
         crate::bench::reset_peak_rss();
         // A run shorter than its warm-up still runs: it times its last step.
@@ -72,7 +73,7 @@ impl GptJob {
             // its own step's evaluation.
             let again = step == start && start > 0 && start < self.steps;
             if let Some(ev) = evals.as_mut().filter(|e| e.due(step, self.steps) && !again) {
-                let before = ctx.group().stats().bytes_sent;
+                let (before, stats_before) = (ctx.group().stats().bytes_sent, dp.stats());
                 let accum = self.accum;
                 let (p, best) = ev.evaluate(step, &data, |b| {
                     super::eval::data_parallel_loss(&mut *dp, &b.to_device(device), accum)
@@ -81,17 +82,20 @@ impl GptJob {
                 if let (true, Some(dir)) = (best && step > 0, &self.checkpoint.dir) {
                     let extra = json!({"job": self, "strategy": ctx.scaling().strategy, "world_size": n,
                                        "precision": ctx.scaling().precision, "scaler": scaler,
-                                       "loss": losses.last(), "val_loss": p.val_loss, "best_val_loss": ev.best});
+                                       "loss": losses.last(), "val_loss": p.val_loss, "best_val_loss": ev.best,
+                                       "best_step": ev.best_step});
                     super::eval::save_best(&*dp, &opt, dir, step, extra)?;
                 }
                 eval_sent += ctx.group().stats().bytes_sent - before;
+                eval_stats = eval_stats.plus(&dp.stats().since(&stats_before));
             }
             if let (Some(dir), true) = (&self.checkpoint.dir, step > start) {
                 let every = self.checkpoint.every > 0 && step % self.checkpoint.every == 0;
                 if every || (step == self.steps && self.checkpoint.at_end) {
                     let extra = json!({"job": self, "strategy": ctx.scaling().strategy, "world_size": n,
                                        "precision": ctx.scaling().precision, "scaler": scaler, "loss": losses.last(),
-                                       "best_val_loss": evals.as_ref().map(|e| e.best)});
+                                       "best_val_loss": evals.as_ref().map(|e| e.best),
+                                       "best_step": evals.as_ref().and_then(|e| e.best_step)});
                     let opts =
                         crate::checkpoint::SaveOptions { keep_last: self.checkpoint.keep_last, ..Default::default() };
                     let r = crate::checkpoint::save(&*dp, &opt, dir, step, extra, &opts)
@@ -167,7 +171,7 @@ impl GptJob {
         let sent_per_step =
             (ctx.group().stats().bytes_sent - sent0 - eval_sent) as f64 / (self.steps - start).max(1) as f64;
         let median = crate::bench::median(&mut step_s);
-        let st = dp.stats();
+        let st = dp.stats().since(&eval_stats);
         let strategy = ctx.scaling().strategy;
         Ok(RunSummary {
             strategy: format!("{strategy:?}").to_lowercase(),
