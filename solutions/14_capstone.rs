@@ -112,9 +112,10 @@ pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, cache: &mut Option<(
     y
 }
 
-/// Exercise 5 — which layout fits. The course's GPT by its shape (nanoGPT's names): a token embedding `wte`
-/// (vocab_size × n_embd, tied to the output head), a position embedding `wpe`, `n_layer` blocks
-/// and a final LayerNorm `ln_f`, every linear layer with a bias.
+/// Exercise 5 — which layout fits. The course's GPT by its shape (nanoGPT's names): a token
+/// embedding `wte` (vocab_size × n_embd), a position embedding `wpe`, `n_layer` blocks and a final
+/// LayerNorm `ln_f`; every LayerNorm and every linear layer of the blocks has a bias; the output
+/// head has none, and its weight is `wte` (tied).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shape {
     pub vocab_size: usize,
@@ -176,16 +177,17 @@ pub fn rank_state_bytes(shape: &Shape, layout: &Layout) -> Vec<f64> {
         .collect()
 }
 
-/// (Exercise 5, continued.) The layout to train `shape` with on `world` ranks and a global batch
-/// of `batch` rows (each replica needs whole rows: dp divides the batch), when every rank has
-/// `budget` bytes for model state: of the layouts the engine runs whose every rank fits, the one
-/// with the least model parallelism (tp × pp), then tensor before pipeline parallelism, then the
-/// lowest ZeRO stage (DDP alone when dp = 1). When none fits, an error that says what the
-/// smallest layout would need; also an error for no ranks, no rows or a budget that is not a
-/// positive number.
-pub fn choose_layout(shape: &Shape, world: usize, batch: usize, budget: f64) -> Result<Layout, String> {
-    if world == 0 || batch == 0 {
-        return Err("no ranks or no rows: nothing to lay out".into());
+/// (Exercise 5, continued.) The layout to train `shape` with on `world` ranks with at most
+/// `max_dp` data-parallel replicas (what a fixed global batch allows when, as in Megatron and
+/// torchtitan, the replicas split it), when every rank has `budget` bytes for model state: of the
+/// layouts the engine can cut the model into whose every rank fits, the one with the least model
+/// parallelism (tp × pp), then tensor before pipeline parallelism, then the lowest ZeRO stage
+/// (only DDP when dp = 1). When none fits, an error that gives the fewest bytes the largest rank of
+/// any of those layouts needs, in whole bytes (`… needs 3249152`); an error, too, for no ranks,
+/// `max_dp` 0, or a budget that is not a positive number.
+pub fn choose_layout(shape: &Shape, world: usize, max_dp: usize, budget: f64) -> Result<Layout, String> {
+    if world == 0 || max_dp == 0 {
+        return Err("no ranks or no replicas: nothing to lay out".into());
     }
     if !(budget.is_finite() && budget > 0.0) {
         return Err(format!("a budget is a positive number of bytes, not {budget}"));
@@ -194,7 +196,7 @@ pub fn choose_layout(shape: &Shape, world: usize, batch: usize, budget: f64) -> 
     for tp in (1..=world).filter(|&t| world % t == 0 && shape.n_head % t == 0 && shape.vocab_size % t == 0) {
         for pp in (1..=world / tp).filter(|&p| (world / tp) % p == 0 && p <= shape.n_layer + 2) {
             let dp = world / (tp * pp);
-            if batch % dp != 0 {
+            if dp > max_dp {
                 continue;
             }
             let top = if dp > 1 { 3 } else { 0 };
@@ -213,7 +215,7 @@ pub fn choose_layout(shape: &Shape, world: usize, batch: usize, budget: f64) -> 
         }
     }
     Err(match smallest {
-        None => format!("no layout of {world} ranks runs this model on a batch of {batch} rows"),
+        None => format!("no layout of {world} ranks with at most {max_dp} replicas runs this model"),
         Some((b, l)) => format!("nothing fits {budget:.0} bytes a rank: the smallest layout, {l:?}, needs {b:.0}"),
     })
 }

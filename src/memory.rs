@@ -59,7 +59,9 @@ pub fn model_state_bytes(params: f64, dp: f64, k: f64) -> StateBytes {
 }
 
 /// The same accounting for any precision: `weight` and `grad` bytes per parameter (4 and 4 with
-/// [`K_FP32_ADAM`] for fp32 training: DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N).
+/// [`K_FP32_ADAM`] for fp32 training: DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N —
+/// the paper's count; shardlab's stage 1 also keeps its averaged gradient shard, 4Ψ/N more, and
+/// [`crate::engine::fit`] counts what each rank of a layout holds).
 pub fn model_state_bytes_with(params: f64, dp: f64, weight: f64, grad: f64, k: f64) -> StateBytes {
     let p = params;
     StateBytes {

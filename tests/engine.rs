@@ -79,8 +79,9 @@ fn check(name: &str, got: &RunSummary, want: &RunSummary, dir: &Path, file: &str
 
 /// The memory planner (`engine::fit`, lesson 14) against what rank 0 — pipeline rank 0, tensor
 /// rank 0 — holds, counted from its tensors (`RunSummary::memory`, which tests/held_memory.rs
-/// checks against the allocator): within 1 % (ZeRO pads each unit's flat buffer to a multiple of
-/// dp, a few elements).
+/// checks against the allocator): equal but for ZeRO's padding (each of a piece's at most 3 units
+/// padded to a multiple of dp: under dp − 1 elements of 16 bytes each). Splitting one of the tiny
+/// GPT's replicated biases wrongly would be 16 bytes × 32 off.
 fn planned_matches_held(name: &str, r: &RunSummary, tp: usize, pp: usize, strategy: Strategy) {
     use shardlab::engine::{fit, DataDim, ParallelDims};
     let data = match strategy {
@@ -92,9 +93,10 @@ fn planned_matches_held(name: &str, r: &RunSummary, tp: usize, pp: usize, strate
     let dims = ParallelDims::new(r.world_size, tp, pp).unwrap();
     let planned = fit::rank_state_bytes(&GptConfig::tiny(), dims, data).unwrap()[0];
     let held = r.memory.model_states() as f64;
+    let padding = 3.0 * 16.0 * (dims.dp - 1) as f64;
     assert!(
-        (held - planned).abs() <= 0.01 * planned,
-        "{name}: rank 0 holds {held} bytes of model state, the planner says {planned}"
+        held >= planned && held - planned <= padding,
+        "{name}: rank 0 holds {held} bytes of model state, the planner says {planned} (padding at most {padding})"
     );
 }
 

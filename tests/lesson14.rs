@@ -261,45 +261,53 @@ shardlab::graders! {
     fn ex5_the_layout_chosen_for_a_budget() {
         shardlab::grading::refuse_twins(GRADER, 5, TWINS);
         let c = capstone();
-        let pick = |batch: usize, budget: f64| choose_layout(&c, 4, batch, budget);
-        // 4 ranks, a batch of 12: data parallel over 4, the lowest stage that fits (the totals of
-        // the exercise before: 16P = 12996608, 11P = 8935168, 7P = 5686016, 4P = 3249152).
-        assert_eq!(pick(12, 12996608.0), Ok(layout(4, 1, 1, 0)), "DDP's 16P fits a budget of exactly 16P");
-        assert_eq!(pick(12, 12996607.0), Ok(layout(4, 1, 1, 1)), "a byte short of DDP: the lowest ZeRO stage that fits");
-        assert_eq!(pick(12, 8935167.0), Ok(layout(4, 1, 1, 2)), "a byte short of ZeRO-1");
-        assert_eq!(pick(12, 5686015.0), Ok(layout(4, 1, 1, 3)), "a byte short of ZeRO-2");
-        assert_eq!(pick(12, 3300000.0), Ok(layout(4, 1, 1, 3)), "ZeRO-3 over 4 holds the least: 3249152");
-        let e = pick(12, 3249151.0).expect_err("a byte short of ZeRO-3 over 4: nothing holds less, nothing fits");
+        let pick = |max_dp: usize, budget: f64| choose_layout(&c, 4, max_dp, budget);
+        // 4 ranks, 4 replicas allowed: data parallel over 4, the lowest stage that fits (the
+        // totals of the test before: 16P = 12996608, 11P = 8935168, 7P = 5686016, 4P = 3249152).
+        assert_eq!(pick(4, 12996608.0), Ok(layout(4, 1, 1, 0)), "DDP's 16P fits a budget of exactly 16P");
+        assert_eq!(pick(4, 12996607.0), Ok(layout(4, 1, 1, 1)), "a byte short of DDP: the lowest ZeRO stage that fits");
+        assert_eq!(pick(4, 8935167.0), Ok(layout(4, 1, 1, 2)), "a byte short of ZeRO-1");
+        assert_eq!(pick(4, 5686015.0), Ok(layout(4, 1, 1, 3)), "a byte short of ZeRO-2");
+        assert_eq!(pick(4, 3300000.0), Ok(layout(4, 1, 1, 3)), "ZeRO-3 over 4 holds the least: 3249152");
+        let e = pick(4, 3249151.0).expect_err("a byte short of ZeRO-3 over 4: nothing holds less, nothing fits");
         assert!(e.contains("3249152"), "say (in bytes) what the smallest layout needs: {e}");
-        // A batch of 2 rows: 2 replicas at most, so tp × pp = 2 — tensor before pipeline
-        // (ddp2×tp2 holds 6590464 bytes, ddp2×pp2 6647808: both fit the second budget).
-        assert_eq!(pick(2, 4061440.0), Ok(layout(2, 2, 1, 3)), "batch 2, 5 bytes a parameter: ZeRO-3 over 2 × tp 2 (3295232)");
-        assert_eq!(pick(2, 6647808.0), Ok(layout(2, 2, 1, 0)), "batch 2: DDP × tp 2 fits and comes before pipeline parallelism");
-        assert_eq!(pick(2, 6092160.0), Ok(layout(2, 2, 1, 1)), "batch 2, 7.5 bytes a parameter: ZeRO-1 over 2 × tp 2 (5766656)");
-        // A batch of 1: one replica, DDP (nothing to shard over): tp 4 (3387392), then tp 2 ×
-        // pp 2 (3401728 on its first rank), then pp 4 (6344704 on its second).
-        assert_eq!(pick(1, 3400000.0), Ok(layout(1, 4, 1, 0)), "batch 1: one replica of tp 4");
+        // At most 2 replicas, so tp × pp = 2 — tensor before pipeline (ddp2×tp2 holds 6590464
+        // bytes, ddp2×pp2 6647808: both fit the second budget).
+        assert_eq!(pick(2, 4061440.0), Ok(layout(2, 2, 1, 3)), "at most 2 replicas, 5 bytes a parameter: ZeRO-3 over 2 × tp 2 (3295232)");
+        assert_eq!(pick(2, 6647808.0), Ok(layout(2, 2, 1, 0)), "at most 2 replicas: DDP × tp 2 fits and comes before pipeline parallelism");
+        assert_eq!(pick(2, 6092160.0), Ok(layout(2, 2, 1, 1)), "at most 2 replicas, 7.5 bytes a parameter: ZeRO-1 over 2 × tp 2 (5766656)");
+        // One replica, DDP (nothing to shard over): tp 4 (3387392), then tp 2 × pp 2 (3401728 on
+        // its first rank), then pp 4 (6344704 on its second).
+        assert_eq!(pick(1, 3400000.0), Ok(layout(1, 4, 1, 0)), "at most 1 replica: tp 4");
         assert_eq!(pick(1, 6344704.0), Ok(layout(1, 4, 1, 0)), "tp 4 fits whenever pp 4 does");
-        let e = pick(1, 3387391.0).expect_err("batch 1, a byte short of tp 4: nothing fits");
+        let e = pick(1, 3387391.0).expect_err("1 replica, a byte short of tp 4: nothing fits");
         assert!(e.contains("3387392"), "say (in bytes) what the smallest layout needs: {e}");
         // What the engine cannot run is not a candidate: 3 heads (tp 2 does not divide them),
         // a vocabulary of 85 (nor it), 1 layer (3 stages: pp 4 has a rank with nothing).
         let odd_heads = Shape { vocab_size: 84, block_size: 64, n_layer: 4, n_head: 3, n_embd: 96 };
-        assert_eq!(choose_layout(&odd_heads, 2, 1, 1e12), Ok(layout(1, 1, 2, 0)), "3 heads on 2 ranks, batch 1: tp 2 cannot split 3 heads, so pp 2");
+        assert_eq!(choose_layout(&odd_heads, 2, 1, 1e12), Ok(layout(1, 1, 2, 0)), "3 heads on 2 ranks, 1 replica: tp 2 cannot split 3 heads, so pp 2");
         let odd_vocab = Shape { vocab_size: 85, ..c };
         assert_eq!(choose_layout(&odd_vocab, 2, 1, 1e12), Ok(layout(1, 1, 2, 0)), "a vocabulary of 85 cannot be split in 2: pp 2");
         let one_layer = Shape { n_layer: 1, n_head: 1, n_embd: 32, ..c };
-        assert_eq!(choose_layout(&one_layer, 3, 1, 1e12), Ok(layout(1, 1, 3, 0)), "1 layer, 3 ranks, batch 1: 3 stages (embeddings, block, head), one each");
-        assert!(choose_layout(&one_layer, 4, 1, 1e12).is_err(), "1 layer, 1 head, 4 ranks, batch 1: no tp, and pp 4 over 3 stages leaves a rank empty");
+        assert_eq!(choose_layout(&one_layer, 3, 1, 1e12), Ok(layout(1, 1, 3, 0)), "1 layer, 3 ranks, 1 replica: 3 stages (embeddings, block, head), one each");
+        assert!(choose_layout(&one_layer, 4, 1, 1e12).is_err(), "1 layer, 1 head, 4 ranks, 1 replica: no tp, and pp 4 over 3 stages leaves a rank empty");
         // Every rank must fit, not only the first: 1 head, 2 layers, 32 wide on 4 ranks is pp 4,
         // whose ranks hold the embeddings (84·32 + 64·32 = 4736 parameters), a block (12704), a
         // block, and ln_f + wte (2752): 16 · 12704 = 203264 bytes on ranks 1 and 2.
         let narrow = Shape { vocab_size: 84, block_size: 64, n_layer: 2, n_head: 1, n_embd: 32 };
         assert_eq!(choose_layout(&narrow, 4, 1, 203264.0), Ok(layout(1, 1, 4, 0)), "pp 4 of a 2-layer, 1-head GPT: its largest rank holds 203264 bytes");
         assert!(choose_layout(&narrow, 4, 1, 160000.0).is_err(), "pp 4's first rank holds 75776 bytes, but its second 203264: a budget of 160000 fits no layout");
-        // Bad input is an error, not a layout.
-        for (world, batch, budget) in [(0, 12, 1e12), (4, 0, 1e12), (4, 12, f64::NAN), (4, 12, 0.0), (4, 12, -1.0), (4, 12, f64::INFINITY)] {
-            assert!(choose_layout(&c, world, batch, budget).is_err(), "world {world}, batch {batch}, budget {budget}: an error");
+        // The order's second key before its third: with a vocabulary of 4, pp 2 holds less than
+        // tp 2 (wpe and the LayerNorms whole on each tensor rank). Vocabulary 4, context 4, 2
+        // layers, 2 heads, 32 wide: a block 12704 parameters, 6448 of it on a tensor rank; tp 2
+        // holds 64 + 128 + 2·6448 + 64 = 13152 (DDP 210432 bytes, ZeRO-1 over 2: 14 · 13152 =
+        // 184128); pp 2's ranks 256 + 12704 = 12960 and 12704 + 64 + 128 = 12896 (DDP 207360).
+        let tiny_vocab = Shape { vocab_size: 4, block_size: 4, n_layer: 2, n_head: 2, n_embd: 32 };
+        assert_eq!(choose_layout(&tiny_vocab, 4, 2, 208000.0), Ok(layout(2, 2, 1, 1)), "pp 2 holds less here (207360) than DDP × tp 2 (210432), yet tensor before pipeline comes before the ZeRO stage: ZeRO-1 over 2 × tp 2 (184128)");
+        // Bad input is an error that says so, not a layout nor "nothing fits".
+        for (world, max_dp, budget) in [(0, 4, 1e12), (4, 0, 1e12), (4, 4, f64::NAN), (4, 4, 0.0), (4, 4, -1.0), (4, 4, f64::INFINITY)] {
+            let e = choose_layout(&c, world, max_dp, budget).expect_err(&format!("world {world}, at most {max_dp} replicas, budget {budget}: an error"));
+            assert!(!e.contains("needs"), "world {world}, at most {max_dp} replicas, budget {budget}: bad input, not a budget too small: {e}");
         }
     }
 }

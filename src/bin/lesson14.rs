@@ -360,9 +360,9 @@ fn fit_part(a: &Args, base: &GptJob) -> anyhow::Result<()> {
         a,
         json!({"model": cfg, "params": cfg.num_params(), "world": world, "batch": batch}),
         format!("{cfg:?}: {} parameters, {world} ranks, a global batch of {batch} rows\n\
-                 layout            planned rank 0   planned largest   held by rank 0 (measured)   + a step's transient peak", cfg.num_params()),
+                 layout            planned rank 0   planned largest   held by rank 0 (measured)   + a step's transient = peak", cfg.num_params()),
     );
-    for (dims, data) in fit::layouts(&cfg, world, batch) {
+    for (dims, data) in fit::layouts(&cfg, world, world) {
         let name = dims.name(data, false);
         let planned = fit::rank_state_bytes(&cfg, dims, data).map_err(anyhow::Error::msg)?;
         let largest = planned.iter().copied().fold(0.0, f64::max);
@@ -386,36 +386,38 @@ fn fit_part(a: &Args, base: &GptJob) -> anyhow::Result<()> {
         emit(
             a,
             json!({"layout": name, "planned_rank0": planned[0], "planned_largest": largest, "held_rank0": held,
-                   "peak_transient_rank0": r.memory.peak_transient}),
+                   "peak_transient_rank0": r.memory.peak_transient, "peak_rank0": held + r.memory.peak_transient}),
             format!(
-                "{name:<16} {:>12.0} B {:>15.0} B {:>15} B ({:+.2} %) {:>12} B",
+                "{name:<16} {:>12.0} B {:>15.0} B {:>15} B ({:+.2} %) {:>12} B = {:>9} B",
                 planned[0],
                 largest,
                 held,
                 100.0 * (held as f64 - planned[0]) / planned[0],
-                r.memory.peak_transient
+                r.memory.peak_transient,
+                held + r.memory.peak_transient
             ),
         );
     }
     // Budgets between the strategies' totals over 4 replicas: 16P (DDP), 11P (ZeRO-1), 7P (ZeRO-2),
-    // 4P (ZeRO-3), and below; then batches of 2 rows and 1, which allow 2 replicas and 1 at most.
-    for (budget, rows) in
-        [(16.0, batch), (15.0, batch), (10.0, batch), (5.0, batch), (3.9, batch), (5.0, 2), (7.5, 2), (4.5, 1)]
+    // 4P (ZeRO-3), and below; then at most 2 replicas, and 1 (a limit `train` does not have: it
+    // scales the global batch with the world; Megatron and torchtitan split a fixed one).
+    for (budget, max_dp) in
+        [(16.0, world), (15.0, world), (10.0, world), (5.0, world), (3.9, world), (5.0, 2), (7.5, 2), (4.5, 1)]
     {
         let bytes = budget * p;
-        let v = match fit::choose(&cfg, world, rows, bytes) {
+        let v = match fit::choose(&cfg, world, max_dp, bytes) {
             Ok((dims, data, need)) => {
                 let name = dims.name(data, false);
-                emit(a, json!({"budget_bytes": bytes, "batch": rows, "chosen": name, "bytes": need}),
-                     format!("budget {bytes:>11.0} B ({budget:>4} bytes a parameter), batch {rows:>2}: {name} ({need:.0} B on its largest rank)"));
+                emit(a, json!({"budget_bytes": bytes, "max_dp": max_dp, "chosen": name, "bytes": need}),
+                     format!("budget {bytes:>11.0} B ({budget:>4} bytes a parameter), at most {max_dp} replicas: {name} ({need:.0} B on its largest rank)"));
                 continue;
             }
             Err(e) => e,
         };
         emit(
             a,
-            json!({"budget_bytes": bytes, "batch": rows, "error": v}),
-            format!("budget {bytes:>11.0} B ({budget:>4} bytes a parameter), batch {rows:>2}: {v}"),
+            json!({"budget_bytes": bytes, "max_dp": max_dp, "error": v}),
+            format!("budget {bytes:>11.0} B ({budget:>4} bytes a parameter), at most {max_dp} replicas: {v}"),
         );
     }
     Ok(())
