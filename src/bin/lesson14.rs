@@ -409,7 +409,7 @@ fn fit_part(a: &Args, base: &GptJob) -> anyhow::Result<()> {
             Ok((dims, data, need)) => {
                 let name = dims.name(data, false);
                 emit(a, json!({"budget_bytes": bytes, "max_dp": max_dp, "chosen": name, "bytes": need}),
-                     format!("budget {bytes:>11.0} B ({budget:>4} bytes a parameter), at most {max_dp} replicas: {name} ({need:.0} B on its largest rank)"));
+                     format!("budget {bytes:>11.0} B ({budget:>4} bytes a parameter), at most {max_dp} replica{}: {name} ({need:.0} B on its largest rank)", if max_dp == 1 { "" } else { "s" }));
                 continue;
             }
             Err(e) => e,
@@ -417,7 +417,10 @@ fn fit_part(a: &Args, base: &GptJob) -> anyhow::Result<()> {
         emit(
             a,
             json!({"budget_bytes": bytes, "max_dp": max_dp, "error": v}),
-            format!("budget {bytes:>11.0} B ({budget:>4} bytes a parameter), at most {max_dp} replicas: {v}"),
+            format!(
+                "budget {bytes:>11.0} B ({budget:>4} bytes a parameter), at most {max_dp} replica{}: {v}",
+                if max_dp == 1 { "" } else { "s" }
+            ),
         );
     }
     Ok(())

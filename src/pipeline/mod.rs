@@ -17,6 +17,11 @@
 //!                    stage 3:  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7
 //! ```
 //!
+//! * **Interleaved 1F1B** (Narayanan et al. 2021, §2.2.2): each rank holds v model chunks
+//!   (virtual stages r, r + p, …), so a micro-batch crosses every rank v times; the bubble shrinks
+//!   v-fold for v times the messages and more activations in flight ([`interleaved`],
+//!   [`simulate_chunks`]; scheduled and simulated, not yet run by the executor).
+//!
 //! [`simulate`] runs a schedule on an idealised machine (a forward takes `t_f`, a backward `t_b`,
 //! sends are free) and gives each operation's start and end: the pipeline diagram, the **bubble**
 //! (idle time over the step) — `(p − 1)/(m + p − 1)` for both schedules when every stage is
@@ -34,6 +39,6 @@ pub mod train;
 
 pub use executor::{partition, pipeline_step, pipeline_step_with, run_pipeline, PipelineStep, StageRunner};
 pub use schedule::{
-    ascii_diagram, bubble_fraction, check, schedule, simulate, simulate_plans, Op, PipelineConfig, Schedule, Slot,
-    Timeline,
+    ascii_diagram, bubble_fraction, check, interleaved, interleaved_bubble_fraction, schedule, simulate,
+    simulate_chunks, simulate_plans, ChunkOp, Op, PipelineConfig, Schedule, Slot, Timeline,
 };
