@@ -123,6 +123,35 @@ fn main() -> anyhow::Result<()> {
             println!("  {m:>4} {formula:>10.4} {sim:>10.4} {span:>13} {:>22}", format!("{} / {}", held.0, held.1));
         }
     }
+    // 2b. Interleaved 1F1B (simulated only: the executor does not run it yet): v chunks per rank,
+    // each 1/v of a stage's work.
+    if !a.json {
+        println!("\nInterleaved 1F1B at p = {P}, m = 8: v model chunks per rank (v = 1 is 1F1B):");
+        println!(
+            "  {:>2} {:>10} {:>10} {:>13} {:>24}",
+            "v", "formula", "simulated", "step, in t_f", "stage 0 holds (stages)"
+        );
+    }
+    for v in [1, 2, 4] {
+        let plans: Vec<Vec<pipeline::ChunkOp>> =
+            (0..P).map(|r| pipeline::interleaved(P, v, 8, r)).collect::<Result<_, _>>().map_err(anyhow::Error::msg)?;
+        let t = pipeline::simulate_chunks(&plans, v, 1.0 / v as f64, 2.0 / v as f64).map_err(anyhow::Error::msg)?;
+        let formula = pipeline::interleaved_bubble_fraction(P, v, 8);
+        // Each chunk holds 1/v of a stage's activations.
+        let holds = t.peak_in_flight(0) as f64 / v as f64;
+        if a.json {
+            println!(
+                "{}",
+                json!({"section": "interleaved", "p": P, "m": 8, "v": v, "formula": formula, "simulated": t.bubble(0),
+                       "step_t_f": t.makespan(), "stage0_holds": holds})
+            );
+        } else {
+            println!("  {v:>2} {formula:>10.4} {:>10.4} {:>13.2} {holds:>24}", t.bubble(0), t.makespan());
+        }
+        if v == 2 && !a.json {
+            println!("{}", pipeline::ascii_diagram(&t, 0.5));
+        }
+    }
     // 3. Measured.
     let c = cfg();
     if !a.json {
