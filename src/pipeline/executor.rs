@@ -320,7 +320,7 @@ pub fn run_pipeline(
                 held -= 1;
             }
         }
-        slots.push(Slot { stage: r, chunk: 0, op, start, end });
+        slots.push(Slot { stage: r, op, start, end });
     }
     let step_s = t0.elapsed().as_secs_f64();
     // Tied parameters used on several ranks: the lowest user collects the others' gradients,

@@ -152,9 +152,6 @@ pub fn interleaved_bubble_fraction(stages: usize, chunks: usize, micro_batches: 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Slot {
     pub stage: usize,
-    /// The model chunk of the interleaved schedule ([`interleaved`]; 0 otherwise).
-    #[serde(default)]
-    pub chunk: usize,
     pub op: Op,
     pub start: f64,
     pub end: f64,
@@ -250,7 +247,7 @@ pub fn simulate_chunks(plans: &[Vec<ChunkOp>], chunks: usize, t_f: f64, t_b: f64
                     Op::Backward(i) => b_end[k][i] = Some(end),
                 }
                 free_at[s] = end;
-                out[s].push(Slot { stage: s, chunk, op, start, end });
+                out[s].push(Slot { stage: s, op, start, end });
                 next[s] += 1;
                 progressed = true;
             }
