@@ -99,7 +99,8 @@ pub struct ChunkOp {
 /// forwards go through the chunks in groups of p micro-batches (chunk 0 of micro-batches 0..p,
 /// chunk 1 of the same, …, then the next p micro-batches), the backwards through the chunks in
 /// reverse; (p − r − 1)·2 + (v − 1)·p warm-up forwards, then one forward one backward, then the
-/// rest of the backwards. Megatron requires the micro-batches to be a multiple of p; so does this.
+/// rest of the backwards. With Megatron's default group of p micro-batches
+/// (`microbatch_group_size_per_vp_stage`), the micro-batches must be a multiple of p; so here.
 pub fn interleaved(stages: usize, chunks: usize, micro_batches: usize, rank: usize) -> Result<Vec<ChunkOp>, String> {
     check(stages, micro_batches)?;
     let (p, v, m) = (stages, chunks, micro_batches);
