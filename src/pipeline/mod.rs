@@ -28,17 +28,19 @@
 //! equally fast — and the peak number of micro-batches whose activations a stage holds.
 
 //!
-//! The files: `schedule.rs` (the schedules and the simulator), `executor.rs` (one pipelined
+//! The files: `schedule.rs` (the schedules and the simulator), `interleaved.rs` (interleaved 1F1B), `executor.rs` (one pipelined
 //! forward and backward over real ranks: [`pipeline_step`]), `train.rs` (which parameters each
 //! rank holds). A rank's optimizer step after it is the engine's (`crate::engine`:
 //! `PipelinePiece`).
 
 mod executor;
+mod interleaved;
 mod schedule;
 pub mod train;
 
 pub use executor::{partition, pipeline_step, pipeline_step_with, run_pipeline, PipelineStep, StageRunner};
+pub use interleaved::{interleaved, interleaved_bubble_fraction, ChunkOp};
 pub use schedule::{
-    ascii_diagram, bubble_fraction, check, interleaved, interleaved_bubble_fraction, schedule, simulate,
-    simulate_chunks, simulate_plans, ChunkOp, Op, PipelineConfig, Schedule, Slot, Timeline,
+    ascii_diagram, bubble_fraction, check, schedule, simulate, simulate_chunks, simulate_plans, Op, PipelineConfig,
+    Schedule, Slot, Timeline,
 };
