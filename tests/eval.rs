@@ -58,6 +58,17 @@ fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-5 * b.abs()
 }
 
+/// The tests of this file train one after another. A run of several ranks in this process sets
+/// libtorch's intra-op threads to one (`launch`: ranks share the machine), while a one-process run
+/// keeps the count it finds; a one-process run overlapping another test's first multi-rank run
+/// would change its thread count mid-run, and with it the order of its sums — one bit in a
+/// weight, which the bitwise checks below would (rightly) see.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("shardlab-eval-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -67,6 +78,7 @@ fn dir(name: &str) -> PathBuf {
 
 #[test]
 fn evaluation_is_the_same_under_every_layout_and_changes_no_weight() {
+    let _serial = serial();
     let d = dir("layouts");
     let data = layout(&d);
     let pp2 = PipelineConfig { stages: 2, micro_batches: 2, schedule: Schedule::OneFOneB };
@@ -136,6 +148,7 @@ fn evaluation_is_the_same_under_every_layout_and_changes_no_weight() {
 
 #[test]
 fn the_best_val_checkpoint_is_kept_and_loads_back_to_its_loss() {
+    let _serial = serial();
     let d = dir("best");
     let data = layout(&d);
     let ck = d.join("ck");
@@ -202,6 +215,7 @@ fn the_best_val_checkpoint_is_kept_and_loads_back_to_its_loss() {
 
 #[test]
 fn evaluation_refuses_data_without_a_val_split_and_a_vocabulary_too_small() {
+    let _serial = serial();
     let d = dir("refusals");
     let data = layout(&d);
     let single = ScalingConfig { num_workers: 1, strategy: Strategy::Single, ..ScalingConfig::default() };
@@ -223,6 +237,7 @@ fn evaluation_refuses_data_without_a_val_split_and_a_vocabulary_too_small() {
 
 #[test]
 fn a_sharded_checkpoint_restores_the_weights_the_run_saved() {
+    let _serial = serial();
     let d = dir("restore");
     let data = layout(&d);
     let mut j = job(&data, 2, false, d.join("final.safetensors"));
