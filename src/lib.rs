@@ -27,6 +27,7 @@ pub mod pipeline;
 pub mod plot;
 pub mod precision;
 pub mod rng;
+pub mod sim;
 pub mod stages;
 pub mod stats;
 pub mod tp;

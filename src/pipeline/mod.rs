@@ -41,6 +41,6 @@ pub mod train;
 pub use executor::{partition, pipeline_step, pipeline_step_with, run_pipeline, PipelineStep, StageRunner};
 pub use interleaved::{interleaved, interleaved_bubble_fraction, ChunkOp};
 pub use schedule::{
-    ascii_diagram, bubble_fraction, check, schedule, simulate, simulate_chunks, simulate_plans, Op, PipelineConfig,
-    Schedule, Slot, Timeline,
+    ascii_diagram, bubble_fraction, check, schedule, simulate, simulate_chunks, simulate_plans, simulate_timed, Op,
+    PipelineConfig, Schedule, Slot, Timeline,
 };

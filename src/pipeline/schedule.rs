@@ -149,6 +149,17 @@ pub fn simulate_plans(plans: &[Vec<Op>], t_f: f64, t_b: f64) -> Result<Timeline,
 /// k waits for `F i` of k − 1, `B i` for `B i` of k + 1, the last virtual stage's backward for its
 /// own forward. `t_f` and `t_b` are one chunk's times.
 pub fn simulate_chunks(plans: &[Vec<ChunkOp>], chunks: usize, t_f: f64, t_b: f64) -> Result<Timeline, String> {
+    simulate_timed(plans, chunks, |_, op| if matches!(op, Op::Forward(_)) { t_f } else { t_b })
+}
+
+/// [`simulate_chunks`] with each operation's time from `time(virtual_stage, op)`: stages of
+/// unequal work (the last holds the output layer) or messages between stages (lesson 15's
+/// simulator adds a send to the operation that makes it).
+pub fn simulate_timed(
+    plans: &[Vec<ChunkOp>],
+    chunks: usize,
+    time: impl Fn(usize, Op) -> f64,
+) -> Result<Timeline, String> {
     let p = plans.len();
     let vs = p * chunks.max(1);
     let m = plans.iter().flatten().map(|o| match o.op {
@@ -178,7 +189,7 @@ pub fn simulate_chunks(plans: &[Vec<ChunkOp>], chunks: usize, t_f: f64, t_b: f64
                 };
                 let Some(ready) = ready else { break };
                 let start = ready.max(free_at[s]);
-                let end = start + if matches!(op, Op::Forward(_)) { t_f } else { t_b };
+                let end = start + time(k, op);
                 match op {
                     Op::Forward(i) => f_end[k][i] = Some(end),
                     Op::Backward(i) => b_end[k][i] = Some(end),

@@ -8,6 +8,16 @@
 //! cargo run --release --bin plan -- --params 175e9 --dp 8 --tp 8 --pp 8 --layers 96 --hidden 12288 --heads 96 --seq 2048 --sequence-parallel --recompute selective
 //! ```
 //!
+//! With `--simulate`, `--search` or `--validate`, lesson 15's cluster simulator (`shardlab::sim`,
+//! see `simulate.rs` beside this file): step time, tokens/s, MFU and memory for a layout of any
+//! GPT on thousands of GPUs.
+//!
+//! ```text
+//! cargo run --release --bin plan -- --simulate --gpu h100-80gb --n-layer 80 --n-embd 8192 --n-head 64 --ffn 28672 --block-size 4096 --gpus 1024 --tp 8 --pp 4 --global-batch-size 1024 --sequence-parallel --recompute selective
+//! cargo run --release --bin plan -- --search --gpu h100-80gb --n-layer 80 --n-embd 8192 --n-head 64 --ffn 28672 --block-size 4096 --gpus 1024 --global-batch-size 1024
+//! cargo run --release --bin plan -- --validate
+//! ```
+//!
 //! Accounting: the ZeRO paper's (16-bit weights and gradients, K = 12 bytes of Adam state per
 //! parameter: fp32 master copy, momentum, variance); see `shardlab::memory`.
 
@@ -18,8 +28,11 @@ use shardlab::memory::{
 };
 use shardlab::pipeline::Schedule;
 
+mod simulate;
+
 #[derive(Parser, Debug)]
-#[command(about = "Per-device memory for DDP and ZeRO-1/2/3 (ZeRO paper accounting)")]
+#[command(about = "Per-device memory for DDP and ZeRO-1/2/3 (ZeRO paper accounting); with --simulate, \
+                   --search or --validate, lesson 15's cluster simulator")]
 struct Args {
     /// Number of parameters (default: the ZeRO paper's 7.5e9 example).
     #[arg(long)]
@@ -67,6 +80,8 @@ struct Args {
     checkpointing: bool,
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    sim: simulate::SimArgs,
 }
 
 fn gb(b: f64) -> String {
@@ -75,6 +90,19 @@ fn gb(b: f64) -> String {
 
 fn main() -> anyhow::Result<()> {
     let mut a = Args::parse();
+    if a.sim.wanted() {
+        let shared = simulate::Shared {
+            dp: a.dp,
+            tp: a.tp,
+            pp: a.pp,
+            sequence_parallel: a.sequence_parallel,
+            recompute: if a.checkpointing { Recompute::Full } else { a.recompute },
+            schedule: a.schedule,
+            json: a.json,
+            memory_only_flags: a.params.is_some() || a.layers.is_some() || a.micro_batches.is_some(),
+        };
+        return simulate::main(&a.sim, &shared);
+    }
     if a.params.is_none() {
         println!(
             "(no --params: the ZeRO paper's example, 7.5e9 parameters on 64 devices; \

@@ -1,0 +1,331 @@
+//! `plan --simulate`, `--search` and `--validate`: lesson 15's cluster simulator on the command
+//! line (`shardlab::sim`).
+
+use clap::Args;
+use serde_json::json;
+use shardlab::memory::Recompute;
+use shardlab::pipeline::Schedule;
+use shardlab::plot::{BarChart, Units};
+use shardlab::precision::Precision;
+use shardlab::sim::{profile, search, simulate_step, validate, why_faster, Gpu, Layout, Model, Prediction};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct SimArgs {
+    /// Simulate one step of a layout: memory per GPU, step time, tokens/s, MFU and where the
+    /// time goes.
+    #[arg(long)]
+    simulate: bool,
+    /// Rank every layout that fits memory by tokens/s.
+    #[arg(long)]
+    search: bool,
+    /// Predict the published runs the simulator is checked against (Narayanan et al. 2021,
+    /// Table 1) and time the simulator at 8, 1,024 and 16,384 GPUs.
+    #[arg(long)]
+    validate: bool,
+    /// The GPU: a100-80gb, h100-80gb or h200 (figures and sources: `shardlab::sim::hardware`).
+    #[arg(long, default_value = "h100-80gb")]
+    gpu: String,
+    /// GPUs in all (default: dp × tp × pp).
+    #[arg(long)]
+    gpus: Option<usize>,
+    /// GPUs per node (default: the profile's, 8).
+    #[arg(long)]
+    gpus_per_node: Option<usize>,
+    #[arg(long)]
+    n_layer: Option<usize>,
+    #[arg(long)]
+    n_embd: Option<usize>,
+    #[arg(long)]
+    n_head: Option<usize>,
+    /// The MLP's width (default 4 × n-embd).
+    #[arg(long)]
+    ffn: Option<usize>,
+    #[arg(long, default_value_t = 2048)]
+    block_size: usize,
+    #[arg(long, default_value_t = 51200)]
+    vocab_size: usize,
+    /// Model chunks per pipeline rank (the interleaved 1F1B schedule; 1: plain).
+    #[arg(long, default_value_t = 1)]
+    interleave: usize,
+    #[arg(long, default_value_t = 1)]
+    micro_batch_size: usize,
+    /// Sequences per step, all replicas together (default: 4·pp micro-batches per replica).
+    #[arg(long)]
+    global_batch_size: Option<usize>,
+    /// 0 (DDP), 1, 2 or 3.
+    #[arg(long, default_value_t = 0)]
+    zero: u8,
+    #[arg(long, value_enum, default_value = "bf16")]
+    precision: Precision,
+    /// Reduce gradients during the last backward instead of after it.
+    #[arg(long)]
+    overlap_grad_reduce: bool,
+    /// Write the step's breakdown as an SVG bar chart here.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+}
+
+impl SimArgs {
+    pub fn wanted(&self) -> bool {
+        self.simulate || self.search || self.validate
+    }
+}
+
+/// The flags `plan` shares between its memory planner and the simulator.
+pub struct Shared {
+    pub dp: Option<u64>,
+    pub tp: u64,
+    pub pp: u64,
+    pub sequence_parallel: bool,
+    pub recompute: Recompute,
+    pub schedule: Schedule,
+    pub json: bool,
+    /// `--params`, `--layers …` or `--micro-batches` were given: the memory planner's flags.
+    pub memory_only_flags: bool,
+}
+
+pub fn main(a: &SimArgs, s: &Shared) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        [a.simulate, a.search, a.validate].iter().filter(|x| **x).count() == 1,
+        "give one of --simulate, --search and --validate"
+    );
+    anyhow::ensure!(
+        !s.memory_only_flags,
+        "--params, --layers/--hidden/--heads/--seq and --micro-batches are the memory planner's; the simulator \
+         takes --n-layer --n-embd --n-head --ffn --block-size --vocab-size and --global-batch-size"
+    );
+    let mut gpu = profile(&a.gpu).map_err(anyhow::Error::msg)?;
+    if let Some(g) = a.gpus_per_node {
+        gpu.gpus_per_node = g;
+    }
+    if a.validate {
+        return validate_all(&gpu, s.json);
+    }
+    let model = match (a.n_layer, a.n_embd, a.n_head) {
+        (Some(layers), Some(hidden), Some(heads)) => {
+            Model { layers, hidden, heads, ffn: a.ffn.unwrap_or(4 * hidden), seq: a.block_size, vocab: a.vocab_size }
+        }
+        _ => anyhow::bail!("give the model: --n-layer --n-embd --n-head (and --ffn --block-size --vocab-size)"),
+    };
+    model.check().map_err(anyhow::Error::msg)?;
+    let (tp, pp) = (s.tp as usize, s.pp as usize);
+    if a.search {
+        let gpus = a.gpus.ok_or_else(|| anyhow::anyhow!("--search needs --gpus"))?;
+        let batch = a.global_batch_size.ok_or_else(|| anyhow::anyhow!("--search needs --global-batch-size"))?;
+        return search_all(&model, &gpu, gpus, batch, a.precision, s.json);
+    }
+    let dp = match (s.dp, a.gpus) {
+        (Some(dp), Some(n)) => {
+            anyhow::ensure!(dp as usize * tp * pp == n, "--dp {dp} × --tp {tp} × --pp {pp} is not --gpus {n}");
+            dp as usize
+        }
+        (Some(dp), None) => dp as usize,
+        (None, Some(n)) => {
+            anyhow::ensure!(n % (tp * pp) == 0, "--tp {tp} × --pp {pp} does not divide --gpus {n}");
+            n / (tp * pp)
+        }
+        (None, None) => 1,
+    };
+    let mut l = Layout::new(dp, tp, pp);
+    l.interleave = a.interleave;
+    l.micro_batch = a.micro_batch_size;
+    l.global_batch = a.global_batch_size.unwrap_or(dp * a.micro_batch_size * if pp > 1 { 4 * pp } else { 1 });
+    l.zero = a.zero;
+    l.sequence_parallel = s.sequence_parallel;
+    l.recompute = s.recompute;
+    l.precision = a.precision;
+    l.schedule = s.schedule;
+    l.overlap_grad_reduce = a.overlap_grad_reduce;
+    let p = simulate_step(&model, &gpu, &l).map_err(anyhow::Error::msg)?;
+    if let Some(path) = &a.svg {
+        let names = ["compute", "tp comm", "pp comm", "bubble", "exposed dp", "optimizer"];
+        let parts = shardlab::sim::search::parts(&p.split).map(|(_, t)| t).to_vec();
+        let chart = BarChart::new(&format!("One step, {:.2} s: where the time goes", p.step_s), "seconds", &names)
+            .y_units(Units::Plain)
+            .series(&layout_name(&l), parts);
+        std::fs::write(path, chart.svg())?;
+    }
+    if s.json {
+        println!("{}", prediction_json(&model, &gpu, &l, &p));
+        return Ok(());
+    }
+    println!(
+        "{} on {} × {} ({} a node): {}",
+        model_name(&model),
+        l.gpus(),
+        gpu.name,
+        gpu.gpus_per_node,
+        layout_name(&l)
+    );
+    println!(
+        "  {} micro-batches of {} per replica, global batch {} sequences of {} tokens",
+        l.micro_batches(),
+        l.micro_batch,
+        l.global_batch,
+        model.seq
+    );
+    print_prediction(&p, gpu.memory_bytes);
+    Ok(())
+}
+
+fn model_name(m: &Model) -> String {
+    format!(
+        "GPT {:.1}B (L {} h {} a {} ffn {} s {} V {})",
+        m.params() / 1e9,
+        m.layers,
+        m.hidden,
+        m.heads,
+        m.ffn,
+        m.seq,
+        m.vocab
+    )
+}
+
+fn layout_name(l: &Layout) -> String {
+    let mut s = format!("dp {} × tp {} × pp {}", l.dp, l.tp, l.pp);
+    if l.interleave > 1 {
+        s += &format!(" (v {})", l.interleave);
+    }
+    if l.zero > 0 {
+        s += &format!(", ZeRO-{}", l.zero);
+    }
+    if l.sequence_parallel {
+        s += ", sp";
+    }
+    s += &format!(", mb {}, recompute {:?}", l.micro_batch, l.recompute).to_lowercase();
+    s
+}
+
+fn print_prediction(p: &Prediction, device: f64) {
+    println!(
+        "  step {:.3} s · {:.0} tokens/s · MFU {:.1}% · {:.1} TFLOP/s per GPU counted as Megatron does (with recompute)",
+        p.step_s,
+        p.tokens_per_s,
+        100.0 * p.mfu,
+        p.megatron_tflops_per_gpu
+    );
+    println!(
+        "  memory per GPU {:.1} GB of {:.0}: model states {:.1}, activations {:.1}{}",
+        p.memory.total / 1e9,
+        device / 1e9,
+        p.memory.model_states / 1e9,
+        p.memory.activations / 1e9,
+        if p.fits { "" } else { "  — DOES NOT FIT" }
+    );
+    println!("  where the step goes:");
+    for (name, t) in shardlab::sim::search::parts(&p.split) {
+        println!("    {name:<16} {:>9.4} s  {:>5.1}%", t, 100.0 * t / p.step_s);
+    }
+}
+
+fn prediction_json(m: &Model, gpu: &Gpu, l: &Layout, p: &Prediction) -> serde_json::Value {
+    json!({
+        "model": m, "params": m.params(), "gpu": gpu.name, "gpus_per_node": gpu.gpus_per_node, "layout": l,
+        "step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
+        "megatron_tflops_per_gpu": p.megatron_tflops_per_gpu,
+        "memory_per_gpu_bytes": p.memory.total, "memory": p.memory, "fits": p.fits, "split": p.split,
+    })
+}
+
+fn search_all(
+    model: &Model,
+    gpu: &Gpu,
+    gpus: usize,
+    batch: usize,
+    precision: Precision,
+    json: bool,
+) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let (found, tried) = search(model, gpu, gpus, batch, precision).map_err(anyhow::Error::msg)?;
+    let took = t0.elapsed().as_secs_f64();
+    if json {
+        let top: Vec<_> =
+            found.iter().take(20).map(|c| prediction_json(model, gpu, &c.layout, &c.prediction)).collect();
+        println!("{}", json!({"tried": tried, "fit": found.len(), "seconds": took, "top": top}));
+        return Ok(());
+    }
+    println!(
+        "{} on {gpus} × {}, global batch {batch}: {tried} layouts simulated in {took:.2} s, {} fit {:.0} GB",
+        model_name(model),
+        gpu.name,
+        found.len(),
+        gpu.memory_bytes / 1e9
+    );
+    anyhow::ensure!(!found.is_empty(), "no layout fits: more GPUs, or a smaller model or batch");
+    for (i, c) in found.iter().take(10).enumerate() {
+        let p = &c.prediction;
+        let why = match found.get(i + 1) {
+            Some(next) => format!("  beats #{}: {}", i + 2, why_faster(c, next)),
+            None => String::new(),
+        };
+        println!(
+            "{:>3}. {:<52} {:>10.0} tok/s  MFU {:>4.1}%  {:>5.1} GB{}",
+            i + 1,
+            layout_name(&c.layout),
+            p.tokens_per_s,
+            100.0 * p.mfu,
+            p.memory.total / 1e9,
+            why
+        );
+    }
+    Ok(())
+}
+
+fn validate_all(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
+    anyhow::ensure!(gpu.name == "a100-80gb", "the published runs are on A100-80GB: --gpu a100-80gb (the default here)");
+    let mut rows = Vec::new();
+    for r in validate::megatron_table_1() {
+        let p = simulate_step(&r.model, gpu, &r.layout).map_err(anyhow::Error::msg)?;
+        let err = p.megatron_tflops_per_gpu / r.tflops_per_gpu - 1.0;
+        rows.push((r, p, err));
+    }
+    // The simulator's own time: the 175B model on 8, 1,024 and 16,384 GPUs.
+    let model = Model::gpt(96, 12288, 96);
+    let mut timings = Vec::new();
+    for (gpus, tp, pp) in [(8, 8, 1), (1024, 8, 16), (16384, 8, 16)] {
+        let mut l = Layout::new(gpus / (tp * pp), tp, pp);
+        l.global_batch = 2 * gpus;
+        l.recompute = Recompute::Full;
+        l.sequence_parallel = true;
+        let t0 = Instant::now();
+        let _ = simulate_step(&model, gpu, &l).map_err(anyhow::Error::msg)?;
+        timings.push((gpus, l.micro_batches(), t0.elapsed().as_secs_f64()));
+    }
+    if json {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|(r, p, e)| {
+                json!({"model": r.name, "gpus": r.layout.gpus(), "tp": r.layout.tp, "pp": r.layout.pp,
+                "published_tflops": r.tflops_per_gpu, "predicted_tflops": p.megatron_tflops_per_gpu, "error": e})
+            })
+            .collect();
+        let t: Vec<_> = timings.iter().map(|(g, m, s)| json!({"gpus": g, "micro_batches": m, "seconds": s})).collect();
+        println!("{}", json!({"megatron_table_1": v, "simulator_seconds": t}));
+        return Ok(());
+    }
+    println!("Narayanan et al. 2021, Table 1 (A100-80GB, full recompute; micro-batch 1 and plain 1F1B assumed):");
+    println!(
+        "{:>8} {:>6} {:>3} {:>3} {:>6} {:>10} {:>10} {:>7}",
+        "model", "GPUs", "tp", "pp", "batch", "published", "predicted", "error"
+    );
+    for (r, p, e) in &rows {
+        println!(
+            "{:>8} {:>6} {:>3} {:>3} {:>6} {:>10.0} {:>10.1} {:>+6.1}%",
+            r.name,
+            r.layout.gpus(),
+            r.layout.tp,
+            r.layout.pp,
+            r.layout.global_batch,
+            r.tflops_per_gpu,
+            p.megatron_tflops_per_gpu,
+            100.0 * e
+        );
+    }
+    println!("(TFLOP/s per GPU as the paper counts them, its Eq. 3 with the recomputed forward.)");
+    for (g, m, s) in timings {
+        println!("simulating GPT-175B on {g:>6} GPUs ({m} micro-batches a replica): {:.1} ms", s * 1e3);
+    }
+    Ok(())
+}

@@ -1,0 +1,155 @@
+//! The simulator's hardware: one table of GPU and network profiles, each figure with its source.
+//! Nothing here is tuned to a run the simulator is checked against (lesson 15's validation).
+//!
+//! A profile is a node of `gpus_per_node` GPUs. Within a node every GPU reaches every other at
+//! `intra` (NVLink through NVSwitch); between nodes each GPU has its own NIC at `inter`
+//! (InfiniBand, one HCA per GPU on DGX systems). Bandwidths are per GPU and per direction.
+//!
+//! The two efficiencies are the only figures that are not a data sheet's: what fraction of the
+//! peak a large matrix multiplication and a large memory-bound kernel reach. They are the same
+//! for every GPU here and come from published measurements, cited at [`GEMM_EFFICIENCY`] and
+//! [`HBM_EFFICIENCY`].
+
+use serde::{Deserialize, Serialize};
+
+/// One kind of link: a message of B bytes takes `alpha + B / bytes_per_s` seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    /// Seconds of latency per message (per step of a ring).
+    pub alpha: f64,
+    /// Bytes per second, per GPU and per direction, that a collective's bus moves at best.
+    pub bytes_per_s: f64,
+}
+
+/// A GPU and the cluster it sits in.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// The name `plan --gpu` takes.
+    pub name: String,
+    /// Dense 16-bit (bf16/fp16) tensor-core peak, FLOP/s.
+    pub peak_flops_16: f64,
+    /// Dense fp32 peak without TF32, FLOP/s.
+    pub peak_flops_32: f64,
+    /// Device memory, bytes.
+    pub memory_bytes: f64,
+    /// Device memory bandwidth, bytes per second.
+    pub memory_bytes_per_s: f64,
+    /// GPUs per node.
+    pub gpus_per_node: usize,
+    /// Within a node.
+    pub intra: Link,
+    /// Between nodes, per GPU (its own NIC).
+    pub inter: Link,
+    /// The fraction of the peak a large matrix multiplication reaches.
+    pub gemm_efficiency: f64,
+    /// The fraction of the memory bandwidth a large element-wise kernel reaches.
+    pub memory_efficiency: f64,
+    /// Where the figures come from.
+    pub source: String,
+}
+
+/// The fraction of the dense peak a large bf16/fp16 cuBLAS GEMM reaches on A100 and H100: an
+/// assumption of about 75–80%, the range published GEMM sweeps show for both (NVIDIA's "Matrix
+/// Multiplication Background" guide plots A100 GEMMs well below the peak even at large sizes).
+/// One figure for every GPU, chosen before any comparison and not fitted to one.
+pub const GEMM_EFFICIENCY: f64 = 0.78;
+
+/// The fraction of HBM's peak bandwidth an element-wise kernel reaches: an assumption of 85%
+/// (bandwidth tests reach about 90%; a step's LayerNorms, softmaxes and dropouts a little less).
+pub const HBM_EFFICIENCY: f64 = 0.85;
+
+/// NCCL's per-step latencies are a few microseconds within a node and somewhat more across
+/// InfiniBand (its tuning model, `src/graph/tuning.cc`, uses base latencies of a few µs per
+/// algorithm plus per-hop latencies); they matter for small messages only.
+const NVLINK_ALPHA: f64 = 5e-6;
+const IB_ALPHA: f64 = 10e-6;
+
+/// The built-in profiles: `a100-80gb`, `h100-80gb`, `h200`.
+pub fn profiles() -> Vec<Gpu> {
+    vec![
+        Gpu {
+            name: "a100-80gb".into(),
+            peak_flops_16: 312e12,
+            peak_flops_32: 19.5e12,
+            memory_bytes: 80e9,
+            memory_bytes_per_s: 2.039e12,
+            gpus_per_node: 8,
+            // NVLink 3: 600 GB/s per GPU both directions together.
+            intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 300e9 },
+            // DGX A100 / Selene: eight 200 Gb/s HDR InfiniBand HCAs per node, one per GPU.
+            inter: Link { alpha: IB_ALPHA, bytes_per_s: 25e9 },
+            gemm_efficiency: GEMM_EFFICIENCY,
+            memory_efficiency: HBM_EFFICIENCY,
+            source: "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB: 312 TFLOP/s dense bf16, 2,039 GB/s, \
+                     NVLink 600 GB/s); DGX A100 data sheet (8× 200 Gb/s HDR HCAs), the cluster of \
+                     Narayanan et al. 2021 §5"
+                .into(),
+        },
+        Gpu {
+            name: "h100-80gb".into(),
+            peak_flops_16: 989e12,
+            peak_flops_32: 67e12,
+            memory_bytes: 80e9,
+            memory_bytes_per_s: 3.35e12,
+            gpus_per_node: 8,
+            // NVLink 4: 900 GB/s per GPU both directions together.
+            intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 450e9 },
+            // DGX H100: eight 400 Gb/s NDR ConnectX-7 ports per node, one per GPU.
+            inter: Link { alpha: IB_ALPHA, bytes_per_s: 50e9 },
+            gemm_efficiency: GEMM_EFFICIENCY,
+            memory_efficiency: HBM_EFFICIENCY,
+            source: "NVIDIA H100 Tensor Core GPU data sheet (SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s, NVLink \
+                     900 GB/s); DGX H100 data sheet (8× 400 Gb/s ConnectX-7)"
+                .into(),
+        },
+        Gpu {
+            name: "h200".into(),
+            peak_flops_16: 989e12,
+            peak_flops_32: 67e12,
+            memory_bytes: 141e9,
+            memory_bytes_per_s: 4.8e12,
+            gpus_per_node: 8,
+            intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 450e9 },
+            inter: Link { alpha: IB_ALPHA, bytes_per_s: 50e9 },
+            gemm_efficiency: GEMM_EFFICIENCY,
+            memory_efficiency: HBM_EFFICIENCY,
+            source: "NVIDIA H200 Tensor Core GPU data sheet (SXM: 989 TFLOP/s dense bf16, 141 GB, 4.8 TB/s, \
+                     NVLink 900 GB/s); DGX H200 (8× 400 Gb/s ConnectX-7)"
+                .into(),
+        },
+    ]
+}
+
+/// The profile called `name` (case-insensitive), or an error that lists the names.
+pub fn profile(name: &str) -> Result<Gpu, String> {
+    let all = profiles();
+    let names: Vec<String> = all.iter().map(|g| g.name.clone()).collect();
+    all.into_iter()
+        .find(|g| g.name.eq_ignore_ascii_case(name))
+        .ok_or_else(|| format!("no GPU profile called {name:?}; there are {}", names.join(", ")))
+}
+
+impl Gpu {
+    /// Checks that every figure is a positive number.
+    pub fn check(&self) -> Result<(), String> {
+        let figures = [
+            ("peak_flops_16", self.peak_flops_16),
+            ("peak_flops_32", self.peak_flops_32),
+            ("memory_bytes", self.memory_bytes),
+            ("memory_bytes_per_s", self.memory_bytes_per_s),
+            ("intra.bytes_per_s", self.intra.bytes_per_s),
+            ("inter.bytes_per_s", self.inter.bytes_per_s),
+            ("gemm_efficiency", self.gemm_efficiency),
+            ("memory_efficiency", self.memory_efficiency),
+        ];
+        for (what, v) in figures {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{}: {what} must be a positive number, not {v}", self.name));
+            }
+        }
+        if !(self.intra.alpha >= 0.0 && self.inter.alpha >= 0.0) || self.gpus_per_node == 0 {
+            return Err(format!("{}: latencies must not be negative and a node holds a GPU", self.name));
+        }
+        Ok(())
+    }
+}

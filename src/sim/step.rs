@@ -1,0 +1,324 @@
+//! One training step of a layout on a simulated cluster, in virtual time.
+//!
+//! Every replica does the same work, so one pipeline (its p ranks, each standing for its dp
+//! replicas and its tp peers) is simulated and the rest follow by symmetry: the cost does not
+//! grow with the number of GPUs, only with p·v·m, the operations of one pipeline.
+//!
+//! The step, as Megatron-LM (2021) and the course's engine run it:
+//! 1. the pipeline: each rank runs the course's own schedule (`pipeline::schedule` for GPipe and
+//!    1F1B, `pipeline::interleaved` for v > 1) through `pipeline::simulate_timed`; an operation
+//!    of a chunk of layers costs its GEMMs at the GPU's GEMM efficiency, its element-wise
+//!    kernels at the memory bandwidth, tensor parallelism's all-reduces (or sequence
+//!    parallelism's all-gathers and reduce-scatters) over the tp group, recomputation's forward,
+//!    and the send of its activations to the next virtual stage; the last chunk adds the output
+//!    layer;
+//! 2. the data-parallel gradient reduction: an all-reduce (ZeRO-0) or a reduce-scatter and the
+//!    parameters' all-gather (ZeRO-1/2) after the last backward, exposed unless
+//!    `overlap_grad_reduce`, where only what outlasts the last micro-batch's backward shows;
+//!    ZeRO-3 gathers each chunk's parameters before its forward and backward and reduce-scatters
+//!    its gradients after, every micro-batch, hidden behind compute as far as compute lasts;
+//! 3. the optimizer: AdamW reads and writes every parameter's state it holds once (memory-bound).
+
+use super::collective::{time, Coll, Placement};
+use super::hardware::Gpu;
+use super::model::Model;
+use crate::memory::{layer_activation_bytes, model_state_bytes_with, Recompute, TransformerShape};
+use crate::pipeline::{interleaved, schedule, simulate_timed, ChunkOp, Op, Schedule};
+use crate::precision::Precision;
+use serde::{Deserialize, Serialize};
+
+/// How the model is laid out on the cluster: dp × tp × pp GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Layout {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    /// Model chunks per pipeline rank (the interleaved schedule's v; 1: plain).
+    pub interleave: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Sequences per step, all replicas together.
+    pub global_batch: usize,
+    /// 0: DDP; 1, 2, 3: ZeRO's stages over dp.
+    pub zero: u8,
+    pub sequence_parallel: bool,
+    pub recompute: Recompute,
+    pub precision: Precision,
+    pub schedule: Schedule,
+    /// Reduce gradients while the last backward runs (PyTorch DDP's buckets, Megatron's
+    /// `--overlap-grad-reduce`) instead of after it.
+    pub overlap_grad_reduce: bool,
+}
+
+impl Layout {
+    /// dp × tp × pp with one micro-batch of one sequence per step and replica, bf16, 1F1B,
+    /// nothing else.
+    pub fn new(dp: usize, tp: usize, pp: usize) -> Layout {
+        Layout {
+            dp,
+            tp,
+            pp,
+            interleave: 1,
+            micro_batch: 1,
+            global_batch: dp,
+            zero: 0,
+            sequence_parallel: false,
+            recompute: Recompute::None,
+            precision: Precision::Bf16,
+            schedule: Schedule::OneFOneB,
+            overlap_grad_reduce: false,
+        }
+    }
+
+    /// GPUs the layout takes.
+    pub fn gpus(&self) -> usize {
+        self.dp * self.tp * self.pp
+    }
+
+    /// Micro-batches per step and replica.
+    pub fn micro_batches(&self) -> usize {
+        self.global_batch / (self.dp * self.micro_batch).max(1)
+    }
+
+    /// Checks the layout against the model: what does not divide, and why it must.
+    pub fn check(&self, m: &Model) -> Result<(), String> {
+        m.check()?;
+        let l = self;
+        if [l.dp, l.tp, l.pp, l.interleave, l.micro_batch, l.global_batch].contains(&0) {
+            return Err(format!("every degree and batch size must be at least 1: {l:?}"));
+        }
+        if m.heads % l.tp != 0 || m.ffn % l.tp != 0 || m.hidden % l.tp != 0 {
+            return Err(format!(
+                "tp {} must divide the heads {}, hidden {} and ffn {}",
+                l.tp, m.heads, m.hidden, m.ffn
+            ));
+        }
+        if m.layers % (l.pp * l.interleave) != 0 {
+            return Err(format!(
+                "pp {} × interleave {} must divide the {} layers (every chunk the same size)",
+                l.pp, l.interleave, m.layers
+            ));
+        }
+        if l.global_batch % (l.dp * l.micro_batch) != 0 {
+            return Err(format!(
+                "the global batch {} must be a multiple of dp {} × micro-batch {}",
+                l.global_batch, l.dp, l.micro_batch
+            ));
+        }
+        if l.interleave > 1 && (l.schedule != Schedule::OneFOneB || l.micro_batches() % l.pp != 0) {
+            return Err(format!(
+                "the interleaved schedule is 1F1B with micro-batches ({}) a multiple of pp ({})",
+                l.micro_batches(),
+                l.pp
+            ));
+        }
+        if l.zero > 3 {
+            return Err(format!("ZeRO has stages 0 to 3, not {}", l.zero));
+        }
+        if l.sequence_parallel && l.tp == 1 {
+            return Err("sequence parallelism shards over the tensor-parallel group: it needs tp > 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Where one rank's step time goes (seconds; they add up to the step).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Split {
+    /// GEMMs and element-wise kernels, recomputation included.
+    pub compute: f64,
+    /// Tensor parallelism's collectives (on the critical path: not overlapped).
+    pub tp_comm: f64,
+    /// Sends between pipeline stages.
+    pub pp_comm: f64,
+    /// Waiting in the pipeline (the bubble).
+    pub bubble: f64,
+    /// Data parallelism's collectives that compute did not hide.
+    pub dp_exposed: f64,
+    pub optimizer: f64,
+}
+
+/// Memory per GPU, bytes (the busiest rank: the first pipeline rank).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Memory {
+    /// Weights, gradients and optimizer state (the ZeRO paper's accounting, `shardlab::memory`).
+    pub model_states: f64,
+    pub activations: f64,
+    pub total: f64,
+}
+
+/// What the simulator predicts for one step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    pub step_s: f64,
+    pub tokens_per_s: f64,
+    /// Model FLOPs utilisation: [`Model::model_flops_per_token`] × tokens/s over the GPUs' peak.
+    pub mfu: f64,
+    /// TFLOP/s per GPU as Narayanan et al. 2021 count them (their Eq. 3, recomputation included).
+    pub megatron_tflops_per_gpu: f64,
+    pub split: Split,
+    pub memory: Memory,
+    /// Whether the memory fits the GPU.
+    pub fits: bool,
+}
+
+/// Seconds for `flops` of GEMMs and `bytes` of element-wise traffic on `gpu` in `precision`.
+fn kernel_time(gpu: &Gpu, precision: Precision, flops: f64, bytes: f64) -> f64 {
+    let peak = if precision == Precision::Fp32 { gpu.peak_flops_32 } else { gpu.peak_flops_16 };
+    flops / (peak * gpu.gemm_efficiency) + bytes / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
+}
+
+/// Simulate one step of `model` laid out as `layout` on GPUs like `gpu`.
+pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Prediction, String> {
+    gpu.check()?;
+    layout.check(model)?;
+    let l = layout;
+    let (dp, tp, pp, v, m) = (l.dp, l.tp, l.pp, l.interleave, l.micro_batches());
+    let g = gpu.gpus_per_node;
+    let (b, t) = (l.micro_batch as f64, tp as f64);
+    let act = if l.precision == Precision::Fp32 { 4.0 } else { 2.0 };
+    let tp_at = Placement::strided(tp, 1, g);
+    let dp_at = Placement::strided(dp, tp, g);
+    let pp_at = Placement::strided(pp, tp * dp, g);
+
+    // One layer, one micro-batch, on one tp rank.
+    let (dense, attn) = model.layer_forward_flops(b, t);
+    let (ew, ew_attn) = model.elementwise_bytes(b, t, l.sequence_parallel);
+    let (ew, ew_attn) = (ew * act / 2.0, ew_attn * act / 2.0);
+    let layer_f = kernel_time(gpu, l.precision, dense + attn, ew + ew_attn);
+    let layer_b = 2.0 * layer_f;
+    let recompute = match l.recompute {
+        Recompute::None => 0.0,
+        Recompute::Selective => kernel_time(gpu, l.precision, attn, ew_attn),
+        Recompute::Full => layer_f,
+    };
+    let activation = b * (model.seq * model.hidden) as f64 * act;
+    // Two all-reduces of the layer's output forward and two backward (or, with sequence
+    // parallelism, an all-gather and a reduce-scatter in their place).
+    let tp_one = if l.sequence_parallel {
+        time(gpu, Coll::AllGather, activation, tp_at) + time(gpu, Coll::ReduceScatter, activation, tp_at)
+    } else {
+        time(gpu, Coll::AllReduce, activation, tp_at)
+    };
+    let (tp_f, tp_b) = (2.0 * tp_one, 2.0 * tp_one + if l.recompute == Recompute::Full { 2.0 * tp_one } else { 0.0 });
+    // A chunk's activations to the next virtual stage: Megatron's scatter-gather sends 1/tp
+    // over the pipeline's link and all-gathers it within the tp group.
+    let pp_link = Placement { size: 2, per_node: if pp_at.nodes() > 1 { 1 } else { 2 } };
+    let send = if pp > 1 {
+        time(gpu, Coll::SendRecv, activation / t, pp_link)
+            + if tp > 1 { time(gpu, Coll::AllGather, activation, tp_at) } else { 0.0 }
+    } else {
+        0.0
+    };
+    let layers = (model.layers / (pp * v)) as f64;
+    let logits = model.logits_forward_flops(b, t);
+    let logits_bytes = 12.0 * b * (model.seq * model.vocab) as f64 / t;
+    let (logits_f, logits_b) = (
+        kernel_time(gpu, l.precision, logits, logits_bytes),
+        kernel_time(gpu, l.precision, 2.0 * logits, logits_bytes),
+    );
+    let vs = pp * v;
+    let compute_of = |k: usize, op: Op| match op {
+        Op::Forward(_) => layers * layer_f + if k + 1 == vs { logits_f } else { 0.0 },
+        Op::Backward(_) => layers * (layer_b + recompute) + if k + 1 == vs { logits_b } else { 0.0 },
+    };
+    let tp_of = |op: Op| layers * if matches!(op, Op::Forward(_)) { tp_f } else { tp_b };
+    let send_of = |k: usize, op: Op| match op {
+        Op::Forward(_) if k + 1 < vs => send,
+        Op::Backward(_) if k > 0 => send,
+        _ => 0.0,
+    };
+    let plans: Vec<Vec<ChunkOp>> = if v == 1 {
+        (0..pp)
+            .map(|r| schedule(l.schedule, pp, m, r).into_iter().map(|op| ChunkOp { chunk: 0, op }).collect())
+            .collect()
+    } else {
+        (0..pp).map(|r| interleaved(pp, v, m, r)).collect::<Result<_, _>>()?
+    };
+    let timeline = simulate_timed(&plans, v, |k, op| compute_of(k, op) + tp_of(op) + send_of(k, op))?;
+    let makespan = timeline.makespan();
+
+    // The busiest rank's work: the last pipeline rank holds the output layer.
+    let mut split = Split::default();
+    let mut busiest = 0.0;
+    for (r, plan) in plans.iter().enumerate() {
+        let mut s = Split::default();
+        for o in plan {
+            let k = o.chunk * pp + r;
+            s.compute += compute_of(k, o.op);
+            s.tp_comm += tp_of(o.op);
+            s.pp_comm += send_of(k, o.op);
+        }
+        if s.compute + s.tp_comm + s.pp_comm >= busiest {
+            busiest = s.compute + s.tp_comm + s.pp_comm;
+            split = s;
+        }
+    }
+    split.bubble = makespan - busiest;
+
+    // Data parallelism over the rank's share of the model.
+    let local = model.params() / (t * pp as f64);
+    let grad = if l.precision == Precision::Fp32 { 4.0 } else { 2.0 };
+    let last_backward = compute_of(0, Op::Backward(0)) * v as f64;
+    split.dp_exposed = match l.zero {
+        0..=2 => {
+            let reduce = if l.zero == 0 {
+                time(gpu, Coll::AllReduce, local * grad, dp_at)
+            } else {
+                time(gpu, Coll::ReduceScatter, local * grad, dp_at) + time(gpu, Coll::AllGather, local * act, dp_at)
+            };
+            if l.overlap_grad_reduce {
+                (reduce - last_backward).max(0.0)
+            } else {
+                reduce
+            }
+        }
+        _ => {
+            // Per micro-batch and chunk: gather for the forward and the backward, reduce-scatter
+            // the gradients; prefetched behind the compute, the first gather exposed.
+            let chunk = local / v as f64;
+            let gather = time(gpu, Coll::AllGather, chunk * act, dp_at);
+            let per_op = 3.0 * gather;
+            let ops = (m * v) as f64;
+            gather + (ops * per_op - split.compute).max(0.0)
+        }
+    };
+    let optim_bytes = if l.precision == Precision::Fp32 { 28.0 } else { 30.0 };
+    let held = if l.zero >= 1 { local / dp as f64 } else { local };
+    split.optimizer = kernel_time(gpu, l.precision, 0.0, held * optim_bytes);
+    let step_s = makespan + split.dp_exposed + split.optimizer;
+
+    // Memory of the first pipeline rank: model states, and the activations of the chunks its
+    // schedule holds at once (counted from the timeline).
+    let (w, gr, k) = if l.precision == Precision::Fp32 { (4.0, 4.0, 8.0) } else { (2.0, 2.0, 12.0) };
+    let s = model_state_bytes_with(local, dp as f64, w, gr, k);
+    let model_states = [s.ddp, s.zero1, s.zero2, s.zero3][l.zero as usize];
+    let shape = TransformerShape {
+        layers: model.layers as f64,
+        hidden: model.hidden as f64,
+        heads: model.heads as f64,
+        seq: model.seq as f64,
+        micro_batch: b,
+    };
+    let per_layer = layer_activation_bytes(&shape, t, l.sequence_parallel, l.recompute) * act / 2.0;
+    let recomputing = if l.recompute == Recompute::Full {
+        layer_activation_bytes(&shape, t, l.sequence_parallel, Recompute::None) * act / 2.0
+    } else {
+        0.0
+    };
+    let activations = timeline.peak_in_flight(0) as f64 * layers * per_layer + recomputing;
+    let total = model_states + activations;
+    let tokens = (l.global_batch * model.seq) as f64;
+    let tokens_per_s = tokens / step_s;
+    let gpus = l.gpus() as f64;
+    let peak = if l.precision == Precision::Fp32 { gpu.peak_flops_32 } else { gpu.peak_flops_16 };
+    Ok(Prediction {
+        step_s,
+        tokens_per_s,
+        mfu: tokens_per_s * model.model_flops_per_token() / (gpus * peak),
+        megatron_tflops_per_gpu: model.megatron_flops(l.global_batch as f64) / step_s / gpus / 1e12,
+        split,
+        memory: Memory { model_states, activations, total },
+        fits: total <= gpu.memory_bytes,
+    })
+}
