@@ -92,9 +92,17 @@ fn is_placeholder(tok: &str) -> bool {
 
 #[test]
 fn every_quoted_command_exists_and_accepts_its_flags() {
+    // Cargo's bins: src/bin/NAME.rs and src/bin/NAME/main.rs.
     let bins: BTreeSet<String> = fs::read_dir(root().join("src/bin"))
         .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".rs").map(str::to_string))
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().to_str()?.to_string();
+            match name.strip_suffix(".rs") {
+                Some(stem) => Some(stem.to_string()),
+                None => e.path().join("main.rs").is_file().then_some(name),
+            }
+        })
         .collect();
     let tests: BTreeSet<String> = fs::read_dir(root().join("tests"))
         .unwrap()
