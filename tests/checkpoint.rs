@@ -745,26 +745,77 @@ fn the_newest_commit_is_resumed_and_a_second_job_is_refused() {
     assert!(checkpoint::committed(&other).is_empty());
     unsafe { libc::kill(-(holder.id() as i32), libc::SIGKILL) }; // flock and its sleep
     holder.wait().unwrap();
+    // This process's job takes it, and holds it until the job ends (`unlock_folder`, what the
+    // step loops call after their last save): then another process may take it.
+    let try_lock = |path: &Path| {
+        std::process::Command::new("flock").args(["-n"]).arg(path.join(".lock")).arg("true").status().unwrap().success()
+    };
     let o = other.clone();
-    spawn(2, Backend::Local, move |pg| {
+    let locked = spawn(2, Backend::Local, move |pg| {
         let dp = wrap(pg, S::Ddp, 1, Precision::Fp32)?;
-        checkpoint::save(&*dp, &opt(), &o, 1, json!({}), &SaveOptions::default()).map(|_| ())
+        checkpoint::save(&*dp, &opt(), &o, 1, json!({}), &SaveOptions::default())?;
+        if pg.rank() == 0 {
+            let during = try_lock(&o);
+            checkpoint::unlock_folder(&o, &pg.job());
+            return Ok(Some((during, try_lock(&o))));
+        }
+        Ok(None)
     })
     .unwrap();
     assert_eq!(checkpoint::committed(&other).len(), 1, "the folder is free once its holder is gone");
-    // This process holds it now, until its job ends (`unlock_folder`): then another may take it.
-    let try_lock = || {
-        std::process::Command::new("flock")
-            .args(["-n"])
-            .arg(other.join(".lock"))
-            .arg("true")
-            .status()
-            .unwrap()
-            .success()
-    };
-    assert!(!try_lock(), "held by this process after its save");
-    checkpoint::unlock_folder(&other);
-    assert!(try_lock(), "free once the job is over");
+    assert_eq!(locked[0], Some((false, true)), "held during the job, free once it is over");
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&other);
+}
+
+/// Two jobs at once in one process (thread ranks, as in a notebook): the second is refused on
+/// every rank while the first holds the folder, and a job that failed without releasing it holds
+/// it no longer once its groups are gone.
+#[test]
+fn two_jobs_of_one_process_are_told_apart() {
+    let dir = tmpdir("two-jobs");
+    let (hold, release) = std::sync::mpsc::channel::<()>();
+    let release = std::sync::Mutex::new(release);
+    let (saved, saved_rx) = std::sync::mpsc::channel::<()>();
+    let d = dir.clone();
+    let first = std::thread::spawn(move || {
+        spawn(2, Backend::Local, move |pg| {
+            let dp = wrap(pg, S::Ddp, 1, Precision::Fp32)?;
+            checkpoint::save(&*dp, &opt(), &d, 1, json!({}), &SaveOptions::default())?;
+            if pg.rank() == 0 {
+                saved.send(()).unwrap();
+                // Still running: the job keeps its groups (and the folder) until told to end.
+                let _ = release.lock().unwrap().recv();
+            }
+            pg.barrier()?;
+            Ok(())
+        })
+        .unwrap();
+    });
+    saved_rx.recv().unwrap();
+    let d = dir.clone();
+    let errs = spawn(2, Backend::Local, move |pg| {
+        let dp = wrap(pg, S::Ddp, 2, Precision::Fp32)?;
+        Ok(checkpoint::save(&*dp, &opt(), &d, 2, json!({}), &SaveOptions::default()).err().map(|e| format!("{e:#}")))
+    })
+    .unwrap();
+    for (rank, e) in errs.iter().enumerate() {
+        let e =
+            e.as_deref().unwrap_or_else(|| panic!("rank {rank} saved into a folder another job of this process holds"));
+        assert!(e.contains("in use by another job") || e.contains("rank 0 failed"), "rank {rank}: {e}");
+    }
+    assert!(errs[0].as_deref().unwrap().contains("another job of this process"), "{:?}", errs[0]);
+    assert_eq!(checkpoint::committed(&dir).len(), 1, "only the first job's step");
+    hold.send(()).unwrap();
+    first.join().unwrap();
+    // The first job ended without `unlock_folder` (as a failed job would): its groups are gone, so
+    // the next job of this process takes the folder.
+    let d = dir.clone();
+    spawn(2, Backend::Local, move |pg| {
+        let dp = wrap(pg, S::Ddp, 2, Precision::Fp32)?;
+        checkpoint::save(&*dp, &opt(), &d, 2, json!({}), &SaveOptions::default()).map(|_| ())
+    })
+    .unwrap();
+    assert_eq!(checkpoint::committed(&dir).len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
 }

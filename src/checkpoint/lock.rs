@@ -2,11 +2,13 @@
 //! `DIR/.lock` from its first save until its job ends ([`unlock_folder`]) or its process exits —
 //! the kernel drops it when the process dies, so a crashed job leaves no stale lock. A second job
 //! saving into the same folder would remove the first one's unfinished `step-N.tmp` and its older
-//! steps (`keep_last`); it is refused instead, with the holder's pid and host. The lock is the
-//! process's: two jobs at once in one process (thread ranks) are not told apart. Where the file
-//! system has no `flock` (Lustre without `-o flock`), saving goes on without the lock, with a
-//! warning.
+//! steps (`keep_last`); it is refused instead, with the holder's pid and host. Within one process
+//! (thread ranks, a notebook) the lock is the job's: a folder another job of this process holds
+//! is refused the same way, and a job that ended — or failed without releasing it — holds it no
+//! longer once its groups are gone ([`JobToken::alive`]). Where the file system has no `flock`
+//! (Lustre without `-o flock`), saving goes on without the lock, with a warning.
 
+use crate::comm::JobToken;
 use anyhow::Context;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -14,18 +16,19 @@ use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-/// The folders this process holds (their lock files stay open, and locked, until it exits).
-static HELD: Mutex<BTreeMap<PathBuf, File>> = Mutex::new(BTreeMap::new());
+/// The folders this process holds, and for which of its jobs (the lock files stay open, and
+/// locked, until it exits or the job releases them).
+static HELD: Mutex<BTreeMap<PathBuf, (File, JobToken)>> = Mutex::new(BTreeMap::new());
 
 const LOCK: &str = ".lock";
 
-/// Lock checkpoint folder `dir` (which exists) for this process, or say which job holds it. Taking
-/// it again in the same process is a no-op (the ranks of a job run as threads of one process,
-/// and a job may save many times).
-pub fn lock_folder(dir: &Path) -> anyhow::Result<()> {
+/// Lock checkpoint folder `dir` (which exists) for `job`, or say which job holds it. Taking it
+/// again for the same job is a no-op (a job saves many times); for a job of this process whose
+/// groups are gone, it passes to `job`.
+pub fn lock_folder(dir: &Path, job: &JobToken) -> anyhow::Result<()> {
     let key = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
     let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(f) = held.get(&key) {
+    if let Some((f, holder)) = held.get_mut(&key) {
         // Still the folder's lock file (not one of a folder since removed and made again)?
         use std::os::unix::fs::MetadataExt;
         let same = match (f.metadata(), std::fs::metadata(key.join(LOCK))) {
@@ -33,7 +36,17 @@ pub fn lock_folder(dir: &Path) -> anyhow::Result<()> {
             _ => false,
         };
         if same {
-            return Ok(());
+            if holder.same_job(job) || !holder.alive() {
+                *holder = job.clone();
+                return Ok(());
+            }
+            anyhow::bail!(
+                "{} is in use by another job (another job of this process, pid {}, still running): two jobs \
+                 saving into one folder would remove each other's checkpoints — give this one its own \
+                 checkpoint folder, or let the other end",
+                dir.display(),
+                std::process::id()
+            );
         }
         held.remove(&key);
     }
@@ -74,14 +87,17 @@ pub fn lock_folder(dir: &Path) -> anyhow::Result<()> {
     f.rewind()?;
     write!(f, "pid {} on {}, since {since} (Unix time)", std::process::id(), host.trim())?;
     f.sync_all()?;
-    held.insert(key, f);
+    held.insert(key, (f, job.clone()));
     Ok(())
 }
 
-/// Release this process's lock on checkpoint folder `dir`, if it holds it (a job's last rank 0
-/// step: the next job in this process, or one it launches, may save there).
-pub fn unlock_folder(dir: &Path) {
+/// Release `job`'s lock on checkpoint folder `dir`, if it holds it (a job's last rank 0 step:
+/// the next job in this process, or one it launches, may save there). Another job's lock stays.
+pub fn unlock_folder(dir: &Path, job: &JobToken) {
     if let Ok(key) = dir.canonicalize() {
-        HELD.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+        let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+        if held.get(&key).is_some_and(|(_, holder)| holder.same_job(job)) {
+            held.remove(&key);
+        }
     }
 }

@@ -37,7 +37,7 @@ pub fn save<H: Holder + ?Sized>(
     agree(&groups, rank, "preparing the checkpoint folder", || {
         if rank == 0 {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-            super::lock_folder(dir)?;
+            super::lock_folder(dir, &groups[0].job())?;
             super::folder::sweep(dir)?;
             std::fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         }

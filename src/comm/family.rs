@@ -19,6 +19,29 @@ use super::relock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+/// Which job a group belongs to, within this process: its rank's family of groups, weakly held.
+/// Two jobs in one process (thread ranks, a notebook running one job after another) have
+/// different tokens; a token whose job has dropped its groups is no longer [`alive`](Self::alive).
+#[derive(Clone)]
+pub struct JobToken(Weak<Family>);
+
+impl JobToken {
+    /// Whether `other` is a token of the same job.
+    pub fn same_job(&self, other: &JobToken) -> bool {
+        Weak::ptr_eq(&self.0, &other.0)
+    }
+    /// Whether the job still has a group (it has not ended, or it failed but still holds them).
+    pub fn alive(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+}
+
+impl std::fmt::Debug for JobToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JobToken({:p}, alive: {})", self.0.as_ptr(), self.alive())
+    }
+}
+
 /// The groups of one rank (weakly held: a dropped group leaves).
 pub(crate) struct Family {
     /// This rank's rank in the family's first group (named in the error the others get).
@@ -28,6 +51,11 @@ pub(crate) struct Family {
 }
 
 impl Family {
+    /// The token of the job whose groups these are.
+    pub fn token(self: &Arc<Self>) -> JobToken {
+        JobToken(Arc::downgrade(self))
+    }
+
     pub fn new(rank: usize) -> Arc<Self> {
         Arc::new(Family { rank, members: Mutex::new(Vec::new()), fired: AtomicBool::new(false) })
     }

@@ -69,6 +69,11 @@ impl ProcessGroup {
     pub fn rank(&self) -> usize {
         self.backend.rank()
     }
+    /// The job this group belongs to within this process (its rank's first group and every
+    /// subgroup made from it share one token).
+    pub fn job(&self) -> super::JobToken {
+        self.family.token()
+    }
     pub fn world_size(&self) -> usize {
         self.backend.world_size()
     }

@@ -88,6 +88,7 @@ pub use backend::{CommBackend, CommStats, InFlight, Pending};
 pub use config::{Backend, CommConfig, DataPath, Fault};
 pub use dtype::{DType, ReduceOp};
 pub use error::{CommError, CommResult};
+pub use family::JobToken;
 pub use frame::OpKind;
 pub use group::ProcessGroup;
 pub use mesh::DeviceMesh;

@@ -226,8 +226,8 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
     }
     // The job's saves are over: its checkpoint folder is free for the next job.
     if let (Some(dir), 0) = (&job.checkpoint.dir, ctx.rank()) {
-        crate::checkpoint::unlock_folder(dir);
-        crate::checkpoint::unlock_folder(&super::eval::best_dir(dir));
+        crate::checkpoint::unlock_folder(dir, &ctx.group().job());
+        crate::checkpoint::unlock_folder(&super::eval::best_dir(dir), &ctx.group().job());
     }
     if let Some(p) = &job.save {
         let full = engine.full_parameters()?;

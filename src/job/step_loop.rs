@@ -158,8 +158,8 @@ impl GptJob {
         }
         // The job's saves are over: its checkpoint folder is free for the next job.
         if let (Some(dir), 0) = (&self.checkpoint.dir, rank) {
-            crate::checkpoint::unlock_folder(dir);
-            crate::checkpoint::unlock_folder(&super::eval::best_dir(dir));
+            crate::checkpoint::unlock_folder(dir, &ctx.group().job());
+            crate::checkpoint::unlock_folder(&super::eval::best_dir(dir), &ctx.group().job());
         }
         if let Some(p) = &self.save {
             // Sharded strategies hold pieces: every rank takes part in gathering the full weights.
