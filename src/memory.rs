@@ -28,7 +28,7 @@
 //! | + sequence parallel | s·b·h·(34 + 5·a·s/h)/t |
 //! | tensor parallel, selective recompute | s·b·h·(10 + 24/t) |
 //! | + sequence parallel, selective recompute | s·b·h·34/t |
-//! | full recompute | 2·s·b·h (the layer's input) |
+//! | full recompute | 2·s·b·h (the layer's input; /t with sequence parallelism) |
 //!
 //! A pipeline stage holds L/p layers for each micro-batch in flight: m under GPipe, min(p, m)
 //! under 1F1B, so 1F1B's first stage holds about L layers' worth whatever p. Model states with
@@ -115,7 +115,9 @@ pub fn layer_activation_bytes(t: &TransformerShape, tp: f64, sequence_parallel: 
         (Recompute::None, true) => sbh * (34.0 + 5.0 * a * s / h) / tp,
         (Recompute::Selective, false) => sbh * (10.0 + 24.0 / tp),
         (Recompute::Selective, true) => sbh * 34.0 / tp,
-        (Recompute::Full, _) => 2.0 * sbh,
+        // The layer's input; with sequence parallelism each rank keeps its s/t of it.
+        (Recompute::Full, false) => 2.0 * sbh,
+        (Recompute::Full, true) => 2.0 * sbh / tp,
     }
 }
 

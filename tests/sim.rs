@@ -49,16 +49,15 @@ fn each_parallelism_moves_memory_and_time_its_way() {
     assert!(ddp.memory.model_states > zero[0].memory.model_states);
     assert!(zero[0].memory.model_states > zero[1].memory.model_states);
     assert!(zero[1].memory.model_states > zero[2].memory.model_states);
-    // ZeRO-1 shards the optimizer's work 8 ways; ZeRO-3 gathers the weights every micro-batch,
-    // so it exposes more than DDP whose reduction overlaps the backward.
-    assert!((ddp.split.optimizer / zero[0].split.optimizer - 8.0).abs() < 1e-9);
-    let overlapped = run(&|l: &mut Layout| l.overlap_grad_reduce = true);
-    assert!(zero[2].split.dp_exposed > overlapped.split.dp_exposed);
+    // Every part of the step is counted once: the parts add up to the step.
+    for p in [&ddp, &zero[0], &zero[1], &zero[2]] {
+        let s = p.split;
+        let sum = s.compute + s.tp_comm + s.pp_comm + s.bubble + s.dp_exposed + s.optimizer;
+        assert!((sum - p.step_s).abs() < 1e-9 * p.step_s && s.bubble >= 0.0, "{s:?} vs {}", p.step_s);
+    }
     // Recomputing nothing is faster and holds more.
     let keep = run(&|l: &mut Layout| l.recompute = Recompute::None);
     assert!(keep.step_s < ddp.step_s && keep.memory.activations > ddp.memory.activations);
-    // Overlapping the gradient reduction with the backward hides some of it.
-    assert!(overlapped.split.dp_exposed < ddp.split.dp_exposed);
     // Tensor parallelism across nodes (16 > 8 GPUs a node): each GPU computes half as much as
     // with tp 8 and sends as much, over the NICs: its collectives take a much larger share.
     let share = |s: &shardlab::sim::Prediction| s.split.tp_comm / s.split.compute;
@@ -97,22 +96,78 @@ fn a_layout_that_does_not_divide_is_refused_with_the_reason() {
     assert!(profile("b200").unwrap_err().contains("a100-80gb"));
 }
 
+#[test]
+fn a_slow_network_shows_what_overlap_and_zero_cost() {
+    // One GPU a node: every data-parallel byte goes through one NIC (23 GB/s).
+    let mut gpu = profile("a100-80gb").unwrap();
+    gpu.gpus_per_node = 1;
+    let model = Model::gpt(32, 4096, 32);
+    let run = |zero: u8, overlap: bool| {
+        let mut l = Layout::new(8, 1, 1);
+        l.global_batch = 32;
+        l.recompute = Recompute::Full;
+        l.zero = zero;
+        l.overlap_grad_reduce = overlap;
+        simulate_step(&model, &gpu, &l).unwrap()
+    };
+    // A reduction longer than the last backward: overlap hides some of it, not all.
+    let (after, during) = (run(0, false), run(0, true));
+    assert!(during.split.dp_exposed > 0.0 && during.split.dp_exposed < after.split.dp_exposed, "{after:?} {during:?}");
+    // ZeRO-2 reduce-scatters every micro-batch (4 here) and ZeRO-1 once a step: on this network,
+    // ZeRO-2's smaller gradients cost time.
+    let (one, two) = (run(1, true), run(2, true));
+    assert!(two.step_s > one.step_s && two.memory.model_states < one.memory.model_states);
+}
+
+#[test]
+fn sequence_parallelism_and_interleaving_change_memory_as_published() {
+    let gpu = profile("h100-80gb").unwrap();
+    let model = Model::gpt(32, 4096, 32);
+    let run = |sp: bool, pp: usize, v: usize| {
+        let mut l = Layout::new(1, 4, pp);
+        l.global_batch = 8;
+        l.sequence_parallel = sp;
+        l.interleave = v;
+        simulate_step(&model, &gpu, &l).unwrap()
+    };
+    // Korthikanti et al. 2022, Table 2: per layer sbh(10 + 24/t + 5as/(ht)) without, and
+    // sbh(34 + 5as/h)/t with sequence parallelism (t = 4, a = 32, s = 2048, h = 4096).
+    let (without, with) = (run(false, 1, 1), run(true, 1, 1));
+    let (a, s, h, t) = (32.0, 2048.0, 4096.0, 4.0);
+    let want = ((34.0 + 5.0 * a * s / h) / t) / (10.0 + 24.0 / t + 5.0 * a * s / (h * t));
+    assert!((with.memory.activations / without.memory.activations - want).abs() < 1e-9);
+    // All-gather + reduce-scatter move what one all-reduce does.
+    assert!((with.split.tp_comm / without.split.tp_comm - 1.0).abs() < 0.05);
+    // The interleaved schedule's first rank holds 1 + (p − 1)/(p·v) times 1F1B's activations
+    // (Narayanan et al. 2021 §2.2.2): p = 4, v = 2, from the schedule's own order.
+    let (plain, inter) = (run(false, 4, 1), run(false, 4, 2));
+    let ratio = inter.memory.activations / plain.memory.activations;
+    assert!((ratio - (1.0 + 3.0 / 8.0)).abs() < 1e-9, "{ratio}");
+}
+
 /// Narayanan et al. 2021, Table 1 (`sim::validate`): TFLOP/s per GPU as they count them (their
 /// Eq. 3), predicted next to published. The target is 10% on each row; today's model is
-/// optimistic by 6–17% (it knows no kernel's efficiency but a large GEMM's), so this guards the
-/// figures lesson 15 prints against drifting, and says the worst row.
+/// within 15% on every row (−1% to +13%: its GEMMs run at one efficiency whatever their shape),
+/// so this guards the figures lesson 15 prints and says the worst row.
 #[test]
-fn megatrons_weak_scaling_table_within_twenty_percent() {
+fn megatrons_weak_scaling_table_within_fifteen_percent() {
     let a100 = profile("a100-80gb").unwrap();
     let mut worst = (0.0f64, String::new());
     for r in validate::megatron_table_1() {
         let p = simulate_step(&r.model, &a100, &r.layout).unwrap();
         let err = p.megatron_tflops_per_gpu / r.tflops_per_gpu - 1.0;
+        println!(
+            "{}: published {}, predicted {:.1} ({:+.1}%)",
+            r.name,
+            r.tflops_per_gpu,
+            p.megatron_tflops_per_gpu,
+            err * 100.0
+        );
         assert!(p.fits, "{}: {:.1} GB per GPU", r.name, p.memory.total / 1e9);
         if err.abs() > worst.0.abs() {
             worst = (err, r.name.clone());
         }
     }
     println!("worst row: {} at {:+.1}%", worst.1, worst.0 * 100.0);
-    assert!(worst.0.abs() < 0.20, "{} off by {:+.1}%", worst.1, worst.0 * 100.0);
+    assert!(worst.0.abs() < 0.15, "{} off by {:+.1}%", worst.1, worst.0 * 100.0);
 }

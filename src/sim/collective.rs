@@ -15,10 +15,12 @@
 //! The hierarchy: a group of n ranks with k on each node it spans. Within one node the bus is
 //! NVLink. Across nodes NCCL runs k rings side by side, one per NIC (channels), and each ring
 //! crosses between nodes once per node, so the bytes that leave a node go through k NICs:
-//! `bw = min(NVLink, k × NIC)`. That is why a data-parallel group with one rank per node (tp 8
-//! fills the node) all-reduces at one NIC's speed, 25 GB/s on A100 nodes, and one with eight ranks
-//! per node at up to 200 GB/s — nccl-tests' bus bandwidth on multi-node DGX systems is of that
-//! order. NCCL picks the tree when its latency term wins (small messages, many nodes); so here.
+//! `bw = min(NVLink, k × NIC)` (each at what NCCL reaches of its line rate, `Link::efficiency`).
+//! That is why a data-parallel group with one rank per node (tp 8 fills the node) all-reduces at
+//! one NIC's speed, 25 GB/s on A100 nodes, and one with eight ranks per node at up to 200 GB/s.
+//! NCCL picks the tree when its latency term wins (small messages, many nodes); so here. The ring's
+//! latency is charged at the slower link's α on every step once the group spans nodes (NCCL pays
+//! it on the steps that cross only): an overestimate for small messages on few nodes.
 
 use super::hardware::Gpu;
 use serde::{Deserialize, Serialize};
@@ -59,9 +61,9 @@ impl Placement {
 /// The group's bus bandwidth, bytes per second per GPU and direction (module docs).
 pub fn bus_bandwidth(gpu: &Gpu, at: Placement) -> f64 {
     if at.nodes() <= 1 {
-        gpu.intra.bytes_per_s
+        gpu.intra.achieved()
     } else {
-        gpu.intra.bytes_per_s.min(at.per_node as f64 * gpu.inter.bytes_per_s)
+        gpu.intra.achieved().min(at.per_node as f64 * gpu.inter.achieved())
     }
 }
 
@@ -86,7 +88,7 @@ pub fn time(gpu: &Gpu, op: Coll, bytes: f64, at: Placement) -> f64 {
         Coll::ReduceScatter | Coll::AllGather => (n - 1.0) * alpha + part,
         Coll::SendRecv => {
             let link = if at.nodes() > 1 { gpu.inter } else { gpu.intra };
-            link.alpha + bytes / link.bytes_per_s
+            link.alpha + bytes / link.achieved()
         }
     }
 }
@@ -100,17 +102,17 @@ mod tests {
     fn the_nic_bounds_a_group_that_spans_nodes() {
         let a100 = profile("a100-80gb").unwrap();
         let gb = 1e9;
-        // In one node: NVLink, 300 GB/s; 2·7/8 GB at 300 GB/s ≈ 5.8 ms.
+        // In one node: NVLink, 2·7/8 GB at about 234 GB/s (0.78 of 300) ≈ 7.5 ms.
         let node = time(&a100, Coll::AllReduce, gb, Placement { size: 8, per_node: 8 });
-        assert!((node - 2.0 * 7.0 / 8.0 / 300.0).abs() < 2e-4, "{node}");
-        // One rank per node (tp 8 fills each node): a NIC's 25 GB/s, twelve times slower.
+        assert!(node > 7e-3 && node < 8e-3, "{node}");
+        // One rank per node (tp 8 fills each node): one NIC, 23 GB/s, ten times slower.
         let spread = time(&a100, Coll::AllReduce, gb, Placement::strided(8, 8, 8));
-        assert!((spread / node - 12.0).abs() < 0.2, "{spread} vs {node}");
-        // Eight per node on 16 nodes: 8 NICs, 200 GB/s, and the tree's latency (4 levels of
-        // 10 µs between nodes, 7 hops of 5 µs inside, both ways) beats the ring's 254 steps.
+        assert!(spread > 9.0 * node && spread < 11.0 * node, "{spread} vs {node}");
+        // Eight per node on 16 nodes: eight NICs together, 184 GB/s, below NVLink's 234, and
+        // each rank sends 127/128 of the buffer twice instead of 7/8: 1.27 × 1.13 ≈ 1.44 times
+        // the node's time.
         let wide = time(&a100, Coll::AllReduce, gb, Placement { size: 128, per_node: 8 });
-        let want = 2.0 * (4.0 * 10e-6 + 7.0 * 5e-6) + 2.0 * 127.0 / 128.0 / 200.0;
-        assert!((wide - want).abs() / want < 1e-9, "{wide} vs {want}");
+        assert!(wide > node * 1.4 && wide < node * 1.5, "{wide} vs {node}");
     }
 
     #[test]

@@ -12,13 +12,22 @@
 
 use serde::{Deserialize, Serialize};
 
-/// One kind of link: a message of B bytes takes `alpha + B / bytes_per_s` seconds.
+/// One kind of link: a message of B bytes takes `alpha + B / (bytes_per_s · efficiency)` seconds.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Link {
     /// Seconds of latency per message (per step of a ring).
     pub alpha: f64,
-    /// Bytes per second, per GPU and per direction, that a collective's bus moves at best.
+    /// The line rate, bytes per second per GPU and per direction (the data sheet's).
     pub bytes_per_s: f64,
+    /// The fraction of the line rate NCCL's collectives reach on it.
+    pub efficiency: f64,
+}
+
+impl Link {
+    /// Bytes per second a collective moves on this link.
+    pub fn achieved(&self) -> f64 {
+        self.bytes_per_s * self.efficiency
+    }
 }
 
 /// A GPU and the cluster it sits in.
@@ -30,7 +39,7 @@ pub struct Gpu {
     pub peak_flops_16: f64,
     /// Dense fp32 peak without TF32, FLOP/s.
     pub peak_flops_32: f64,
-    /// Device memory, bytes.
+    /// Device memory, bytes (what `nvidia-smi` reports as the total: "80GB" cards hold 80 GiB).
     pub memory_bytes: f64,
     /// Device memory bandwidth, bytes per second.
     pub memory_bytes_per_s: f64,
@@ -64,6 +73,15 @@ pub const HBM_EFFICIENCY: f64 = 0.85;
 const NVLINK_ALPHA: f64 = 5e-6;
 const IB_ALPHA: f64 = 10e-6;
 
+/// NCCL's all-reduce bus bandwidth inside a DGX node is about 230 GB/s on A100 (of NVLink 3's 300
+/// per direction) and about 360 GB/s on H100 without NVLink SHARP (of 450): about 0.78 of the line
+/// rate — an assumption from the nccl-tests figures NVIDIA and cloud providers publish, to be
+/// checked against them (lesson 15). InfiniBand's large messages reach about 92% of line rate.
+const NVLINK_EFFICIENCY: f64 = 0.78;
+const IB_EFFICIENCY: f64 = 0.92;
+
+const MIB: f64 = 1048576.0;
+
 /// The built-in profiles: `a100-80gb`, `h100-80gb`, `h200`.
 pub fn profiles() -> Vec<Gpu> {
     vec![
@@ -71,13 +89,13 @@ pub fn profiles() -> Vec<Gpu> {
             name: "a100-80gb".into(),
             peak_flops_16: 312e12,
             peak_flops_32: 19.5e12,
-            memory_bytes: 80e9,
+            memory_bytes: 81920.0 * MIB,
             memory_bytes_per_s: 2.039e12,
             gpus_per_node: 8,
             // NVLink 3: 600 GB/s per GPU both directions together.
-            intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 300e9 },
+            intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 300e9, efficiency: NVLINK_EFFICIENCY },
             // DGX A100 / Selene: eight 200 Gb/s HDR InfiniBand HCAs per node, one per GPU.
-            inter: Link { alpha: IB_ALPHA, bytes_per_s: 25e9 },
+            inter: Link { alpha: IB_ALPHA, bytes_per_s: 25e9, efficiency: IB_EFFICIENCY },
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
             source: "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB: 312 TFLOP/s dense bf16, 2,039 GB/s, \
@@ -89,13 +107,13 @@ pub fn profiles() -> Vec<Gpu> {
             name: "h100-80gb".into(),
             peak_flops_16: 989e12,
             peak_flops_32: 67e12,
-            memory_bytes: 80e9,
+            memory_bytes: 81559.0 * MIB,
             memory_bytes_per_s: 3.35e12,
             gpus_per_node: 8,
             // NVLink 4: 900 GB/s per GPU both directions together.
-            intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 450e9 },
+            intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 450e9, efficiency: NVLINK_EFFICIENCY },
             // DGX H100: eight 400 Gb/s NDR ConnectX-7 ports per node, one per GPU.
-            inter: Link { alpha: IB_ALPHA, bytes_per_s: 50e9 },
+            inter: Link { alpha: IB_ALPHA, bytes_per_s: 50e9, efficiency: IB_EFFICIENCY },
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
             source: "NVIDIA H100 Tensor Core GPU data sheet (SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s, NVLink \
@@ -106,11 +124,11 @@ pub fn profiles() -> Vec<Gpu> {
             name: "h200".into(),
             peak_flops_16: 989e12,
             peak_flops_32: 67e12,
-            memory_bytes: 141e9,
+            memory_bytes: 143771.0 * MIB,
             memory_bytes_per_s: 4.8e12,
             gpus_per_node: 8,
-            intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 450e9 },
-            inter: Link { alpha: IB_ALPHA, bytes_per_s: 50e9 },
+            intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 450e9, efficiency: NVLINK_EFFICIENCY },
+            inter: Link { alpha: IB_ALPHA, bytes_per_s: 50e9, efficiency: IB_EFFICIENCY },
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
             source: "NVIDIA H200 Tensor Core GPU data sheet (SXM: 989 TFLOP/s dense bf16, 141 GB, 4.8 TB/s, \
@@ -139,6 +157,8 @@ impl Gpu {
             ("memory_bytes_per_s", self.memory_bytes_per_s),
             ("intra.bytes_per_s", self.intra.bytes_per_s),
             ("inter.bytes_per_s", self.inter.bytes_per_s),
+            ("intra.efficiency", self.intra.efficiency),
+            ("inter.efficiency", self.inter.efficiency),
             ("gemm_efficiency", self.gemm_efficiency),
             ("memory_efficiency", self.memory_efficiency),
         ];

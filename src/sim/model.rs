@@ -96,6 +96,20 @@ impl Model {
         2.0 * b * (self.seq * self.hidden) as f64 * self.vocab as f64 / tp
     }
 
+    /// FLOPs one training iteration of `batch` sequences computes under `recompute`, as Megatron
+    /// counts them (f = 4h; Korthikanti et al. 2022 §6): 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
+    /// recomputing nothing, the attention's s·h term doubled under selective recomputation, and
+    /// [`megatron_flops`](Self::megatron_flops) under full.
+    pub fn hardware_flops(&self, batch: f64, recompute: crate::memory::Recompute) -> f64 {
+        use crate::memory::Recompute;
+        let (h, l, s, v) = (self.hidden as f64, self.layers as f64, self.seq as f64, self.vocab as f64);
+        match recompute {
+            Recompute::None => 72.0 * batch * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h)),
+            Recompute::Selective => 72.0 * batch * s * l * h * h * (1.0 + s / (3.0 * h) + v / (12.0 * l * h)),
+            Recompute::Full => self.megatron_flops(batch),
+        }
+    }
+
     /// FLOPs of one training iteration of `batch` sequences as Narayanan et al. 2021 count them
     /// (their Eq. 3, f = 4h): with the recomputed forward of full activation checkpointing,
     /// 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)). Their Table 1's TFLOP/s are this over the time.

@@ -4,7 +4,8 @@
 //!
 //! The space, for `gpus` GPUs and a fixed global batch: tp a power of two up to a node that
 //! divides the heads; pp dividing the layers; dp the rest; the interleaved schedule's v ∈ {1, 2,
-//! 4} where it divides a stage's layers; micro-batches of 1, 2, 4 or 8 sequences; ZeRO 0–3;
+//! 4} where it divides a stage's layers; micro-batches of 1, 2, 4 or 8 sequences; ZeRO 0–3
+//! (0–1 with pp > 1, as DeepSpeed allows);
 //! recomputation none, selective or full; sequence parallelism whenever tp > 1 (it saves memory
 //! for the same bytes sent, Korthikanti et al. 2022 §4.2.2).
 
@@ -46,7 +47,9 @@ pub fn search(
             let dp = gpus / (tp * pp);
             for v in [1, 2, 4].into_iter().filter(|&v| v == 1 || (pp > 1 && (model.layers / pp) % v == 0)) {
                 for mb in [1, 2, 4, 8].into_iter().filter(|mb| global_batch % (dp * mb) == 0) {
-                    for zero in 0..=3u8 {
+                    // DeepSpeed refuses ZeRO-2 and -3 with pipeline parallelism (the gradients
+                    // of every micro-batch would be reduce-scattered): ZeRO-1 at most with pp.
+                    for zero in (0..=3u8).filter(|&z| pp == 1 || z <= 1) {
                         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
                             let mut l = Layout::new(dp, tp, pp);
                             l.interleave = v;
@@ -117,9 +120,10 @@ mod tests {
         let model = Model::gpt(40, 5120, 40);
         let (found, tried) = search(&model, &h100, 64, 256, Precision::Bf16).unwrap();
         assert!(tried > found.len() && !found.is_empty(), "{tried} tried, {} fit", found.len());
-        assert!(found.iter().all(|c| c.prediction.memory.total <= 80e9));
+        assert!(found.iter().all(|c| c.prediction.memory.total <= h100.memory_bytes));
         assert!(found.iter().all(|c| !(c.layout.zero == 0 && c.layout.tp * c.layout.pp == 1)));
         assert!(found.windows(2).all(|w| w[0].prediction.tokens_per_s >= w[1].prediction.tokens_per_s));
         assert!(found.iter().all(|c| c.layout.gpus() == 64 && c.layout.tp <= 8));
+        assert!(found.iter().all(|c| c.layout.pp == 1 || c.layout.zero <= 1));
     }
 }

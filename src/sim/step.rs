@@ -154,7 +154,8 @@ pub struct Prediction {
     pub tokens_per_s: f64,
     /// Model FLOPs utilisation: [`Model::model_flops_per_token`] × tokens/s over the GPUs' peak.
     pub mfu: f64,
-    /// TFLOP/s per GPU as Narayanan et al. 2021 count them (their Eq. 3, recomputation included).
+    /// TFLOP/s per GPU as Megatron counts them: the FLOPs computed, recomputation included
+    /// ([`Model::hardware_flops`]; Narayanan et al. 2021's Eq. 3 under full recomputation).
     pub megatron_tflops_per_gpu: f64,
     pub split: Split,
     pub memory: Memory,
@@ -175,11 +176,19 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     let l = layout;
     let (dp, tp, pp, v, m) = (l.dp, l.tp, l.pp, l.interleave, l.micro_batches());
     let g = gpu.gpus_per_node;
+    if g % tp != 0 && tp % g != 0 {
+        return Err(format!(
+            "tp {tp} and {g} GPUs a node: a tensor-parallel group must fill whole nodes or fit in one \
+             (one of the two must divide the other)"
+        ));
+    }
     let (b, t) = (l.micro_batch as f64, tp as f64);
     let act = if l.precision == Precision::Fp32 { 4.0 } else { 2.0 };
+    // Gradient bytes: fp16 reduces fp16 gradients (Narayanan et al. 2021); bf16 accumulates and
+    // reduces them in fp32 (Megatron-LM refuses bf16 otherwise); fp32, fp32.
+    let grad = if l.precision == Precision::Fp16 { 2.0 } else { 4.0 };
     let tp_at = Placement::strided(tp, 1, g);
     let dp_at = Placement::strided(dp, tp, g);
-    let pp_at = Placement::strided(pp, tp * dp, g);
 
     // One layer, one micro-batch, on one tp rank.
     let (dense, attn) = model.layer_forward_flops(b, t);
@@ -201,16 +210,22 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
         time(gpu, Coll::AllReduce, activation, tp_at)
     };
     let (tp_f, tp_b) = (2.0 * tp_one, 2.0 * tp_one + if l.recompute == Recompute::Full { 2.0 * tp_one } else { 0.0 });
-    // A chunk's activations to the next virtual stage: Megatron's scatter-gather sends 1/tp
-    // over the pipeline's link and all-gathers it within the tp group.
-    let pp_link = Placement { size: 2, per_node: if pp_at.nodes() > 1 { 1 } else { 2 } };
-    let send = if pp > 1 {
-        time(gpu, Coll::SendRecv, activation / t, pp_link)
-            + if tp > 1 { time(gpu, Coll::AllGather, activation, tp_at) } else { 0.0 }
-    } else {
-        0.0
+    // A chunk's activations to the next virtual stage, on NVLink when the two pipeline ranks
+    // share a node (ranks tp·dp apart), else a NIC. Each tp rank sends its 1/tp: with sequence
+    // parallelism that is what it holds; without, Megatron's scatter-gather all-gathers it on the
+    // far side.
+    let stride = tp * dp;
+    let send_between = |k: usize| {
+        let (from, to) = ((k % pp) * stride, ((k + 1) % pp) * stride);
+        let link = Placement { size: 2, per_node: if from / g == to / g { 2 } else { 1 } };
+        time(gpu, Coll::SendRecv, activation / t, link)
+            + if tp > 1 && !l.sequence_parallel { time(gpu, Coll::AllGather, activation, tp_at) } else { 0.0 }
     };
     let layers = (model.layers / (pp * v)) as f64;
+    // After each micro-batch's backward, its gradients are added into the accumulated ones
+    // (Megatron's `main_grad`): read both, write one, for the chunk's parameters.
+    let chunk_params = layers * model.layer_params() / t;
+    let accumulate = kernel_time(gpu, l.precision, 0.0, chunk_params * (act + 2.0 * grad));
     let logits = model.logits_forward_flops(b, t);
     let logits_bytes = 12.0 * b * (model.seq * model.vocab) as f64 / t;
     let (logits_f, logits_b) = (
@@ -220,12 +235,12 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     let vs = pp * v;
     let compute_of = |k: usize, op: Op| match op {
         Op::Forward(_) => layers * layer_f + if k + 1 == vs { logits_f } else { 0.0 },
-        Op::Backward(_) => layers * (layer_b + recompute) + if k + 1 == vs { logits_b } else { 0.0 },
+        Op::Backward(_) => layers * (layer_b + recompute) + accumulate + if k + 1 == vs { logits_b } else { 0.0 },
     };
     let tp_of = |op: Op| layers * if matches!(op, Op::Forward(_)) { tp_f } else { tp_b };
     let send_of = |k: usize, op: Op| match op {
-        Op::Forward(_) if k + 1 < vs => send,
-        Op::Backward(_) if k > 0 => send,
+        Op::Forward(_) if k + 1 < vs => send_between(k),
+        Op::Backward(_) if k > 0 => send_between(k - 1),
         _ => 0.0,
     };
     let plans: Vec<Vec<ChunkOp>> = if v == 1 {
@@ -256,41 +271,57 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     }
     split.bubble = makespan - busiest;
 
-    // Data parallelism over the rank's share of the model.
-    let local = model.params() / (t * pp as f64);
-    let grad = if l.precision == Precision::Fp32 { 4.0 } else { 2.0 };
-    let last_backward = compute_of(0, Op::Backward(0)) * v as f64;
+    // Data parallelism over the first pipeline rank's share of the model (its layers and the
+    // token and position embeddings; the last rank holds a copy of the token embedding too).
+    let (h, vocab, seq) = (model.hidden as f64, model.vocab as f64, model.seq as f64);
+    let local = (model.layers / pp) as f64 * model.layer_params() / t + vocab * h / t + seq * h;
+    // The last backward a reduction can hide behind: the first rank's last micro-batch, its
+    // chunks in turn.
+    let last_backward = (0..v).map(|c| compute_of(c * pp, Op::Backward(0))).sum::<f64>();
+    let gather_params = time(gpu, Coll::AllGather, local * act, dp_at);
     split.dp_exposed = match l.zero {
-        0..=2 => {
-            let reduce = if l.zero == 0 {
-                time(gpu, Coll::AllReduce, local * grad, dp_at)
-            } else {
-                time(gpu, Coll::ReduceScatter, local * grad, dp_at) + time(gpu, Coll::AllGather, local * act, dp_at)
-            };
+        0 => {
+            let reduce = time(gpu, Coll::AllReduce, local * grad, dp_at);
             if l.overlap_grad_reduce {
                 (reduce - last_backward).max(0.0)
             } else {
                 reduce
             }
         }
+        1 => {
+            // Reduce-scatter the gradients once a step, all-gather the updated weights after the
+            // optimizer (nothing left to hide behind).
+            let reduce = time(gpu, Coll::ReduceScatter, local * grad, dp_at);
+            (if l.overlap_grad_reduce { (reduce - last_backward).max(0.0) } else { reduce }) + gather_params
+        }
+        2 => {
+            // Only 1/dp of the gradients is kept: reduce-scattered after every micro-batch's
+            // backward (hidden behind the next micro-batch's work as far as it lasts).
+            let reduce = time(gpu, Coll::ReduceScatter, local * grad, dp_at);
+            let hidden = if l.overlap_grad_reduce { last_backward } else { 0.0 };
+            let busy = split.compute + split.tp_comm;
+            (m as f64 * reduce - busy).max(0.0).max(reduce - hidden).max(0.0) + gather_params
+        }
         _ => {
             // Per micro-batch and chunk: gather for the forward and the backward, reduce-scatter
             // the gradients; prefetched behind the compute, the first gather exposed.
             let chunk = local / v as f64;
             let gather = time(gpu, Coll::AllGather, chunk * act, dp_at);
-            let per_op = 3.0 * gather;
+            let reduce = time(gpu, Coll::ReduceScatter, chunk * grad, dp_at);
             let ops = (m * v) as f64;
-            gather + (ops * per_op - split.compute).max(0.0)
+            gather + (ops * (2.0 * gather + reduce) - split.compute).max(0.0)
         }
     };
-    let optim_bytes = if l.precision == Precision::Fp32 { 28.0 } else { 30.0 };
+    // AdamW over fp32 master weights: read master, both moments and the gradient, write master,
+    // moments and the 16-bit weights (fp32 training: no separate master).
+    let optim_bytes = if l.precision == Precision::Fp32 { 28.0 } else { 26.0 + grad };
     let held = if l.zero >= 1 { local / dp as f64 } else { local };
     split.optimizer = kernel_time(gpu, l.precision, 0.0, held * optim_bytes);
     let step_s = makespan + split.dp_exposed + split.optimizer;
 
     // Memory of the first pipeline rank: model states, and the activations of the chunks its
     // schedule holds at once (counted from the timeline).
-    let (w, gr, k) = if l.precision == Precision::Fp32 { (4.0, 4.0, 8.0) } else { (2.0, 2.0, 12.0) };
+    let (w, gr, k) = if l.precision == Precision::Fp32 { (4.0, 4.0, 8.0) } else { (2.0, grad, 12.0) };
     let s = model_state_bytes_with(local, dp as f64, w, gr, k);
     let model_states = [s.ddp, s.zero1, s.zero2, s.zero3][l.zero as usize];
     let shape = TransformerShape {
@@ -316,7 +347,7 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
         step_s,
         tokens_per_s,
         mfu: tokens_per_s * model.model_flops_per_token() / (gpus * peak),
-        megatron_tflops_per_gpu: model.megatron_flops(l.global_batch as f64) / step_s / gpus / 1e12,
+        megatron_tflops_per_gpu: model.hardware_flops(l.global_batch as f64, l.recompute) / step_s / gpus / 1e12,
         split,
         memory: Memory { model_states, activations, total },
         fits: total <= gpu.memory_bytes,

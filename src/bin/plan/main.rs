@@ -96,10 +96,35 @@ fn main() -> anyhow::Result<()> {
             tp: a.tp,
             pp: a.pp,
             sequence_parallel: a.sequence_parallel,
-            recompute: if a.checkpointing { Recompute::Full } else { a.recompute },
+            recompute: a.recompute,
             schedule: a.schedule,
             json: a.json,
-            memory_only_flags: a.params.is_some() || a.layers.is_some() || a.micro_batches.is_some(),
+            planner_flags: [
+                ("--params", a.params.is_some()),
+                ("--layers", a.layers.is_some()),
+                ("--hidden", a.hidden.is_some()),
+                ("--heads", a.heads.is_some()),
+                ("--seq", a.seq.is_some()),
+                ("--micro-batches", a.micro_batches.is_some()),
+                ("--micro-batch", a.micro_batch != 1.0),
+                ("--k", a.k != K_MIXED_ADAM),
+                ("--device-gb", a.device_gb.is_some()),
+            ]
+            .into_iter()
+            .filter_map(|(f, given)| given.then_some(f))
+            .collect(),
+            layout_flags: [
+                ("--dp", a.dp.is_some()),
+                ("--tp", a.tp != 1),
+                ("--pp", a.pp != 1),
+                ("--sequence-parallel", a.sequence_parallel),
+                ("--recompute", a.recompute != Recompute::None),
+                ("--checkpointing", a.checkpointing),
+                ("--schedule", a.schedule != Schedule::OneFOneB),
+            ]
+            .into_iter()
+            .filter_map(|(f, given)| given.then_some(f))
+            .collect(),
         };
         return simulate::main(&a.sim, &shared);
     }

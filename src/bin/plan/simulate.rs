@@ -24,9 +24,10 @@ pub struct SimArgs {
     /// Table 1) and time the simulator at 8, 1,024 and 16,384 GPUs.
     #[arg(long)]
     validate: bool,
-    /// The GPU: a100-80gb, h100-80gb or h200 (figures and sources: `shardlab::sim::hardware`).
-    #[arg(long, default_value = "h100-80gb")]
-    gpu: String,
+    /// The GPU: a100-80gb, h100-80gb or h200 (figures and sources: `shardlab::sim::hardware`;
+    /// default h100-80gb, and a100-80gb for --validate, the published runs' GPU).
+    #[arg(long)]
+    gpu: Option<String>,
     /// GPUs in all (default: dp × tp × pp).
     #[arg(long)]
     gpus: Option<usize>,
@@ -82,8 +83,11 @@ pub struct Shared {
     pub recompute: Recompute,
     pub schedule: Schedule,
     pub json: bool,
-    /// `--params`, `--layers …` or `--micro-batches` were given: the memory planner's flags.
-    pub memory_only_flags: bool,
+    /// The memory planner's own flags that were given (the simulator does not take them).
+    pub planner_flags: Vec<&'static str>,
+    /// The layout flags that were given (--search chooses the layout; --validate takes the
+    /// published ones).
+    pub layout_flags: Vec<&'static str>,
 }
 
 pub fn main(a: &SimArgs, s: &Shared) -> anyhow::Result<()> {
@@ -92,15 +96,50 @@ pub fn main(a: &SimArgs, s: &Shared) -> anyhow::Result<()> {
         "give one of --simulate, --search and --validate"
     );
     anyhow::ensure!(
-        !s.memory_only_flags,
-        "--params, --layers/--hidden/--heads/--seq and --micro-batches are the memory planner's; the simulator \
-         takes --n-layer --n-embd --n-head --ffn --block-size --vocab-size and --global-batch-size"
+        s.planner_flags.is_empty(),
+        "{} {} the memory planner's; the simulator takes --n-layer --n-embd --n-head --ffn --block-size \
+         --vocab-size, --micro-batch-size and --global-batch-size",
+        s.planner_flags.join(", "),
+        if s.planner_flags.len() == 1 { "is" } else { "are" }
     );
-    let mut gpu = profile(&a.gpu).map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(
+        !s.layout_flags.contains(&"--checkpointing"),
+        "--checkpointing is the memory planner's; the simulator takes --recompute full"
+    );
+    let default_gpu = if a.validate { "a100-80gb" } else { "h100-80gb" };
+    let mut gpu = profile(a.gpu.as_deref().unwrap_or(default_gpu)).map_err(anyhow::Error::msg)?;
     if let Some(g) = a.gpus_per_node {
         gpu.gpus_per_node = g;
     }
+    // What a mode decides itself must not be given: it would be ignored.
+    let mut chosen: Vec<&str> = s.layout_flags.clone();
+    for (flag, given) in [
+        ("--interleave", a.interleave != 1),
+        ("--micro-batch-size", a.micro_batch_size != 1),
+        ("--zero", a.zero != 0),
+        ("--overlap-grad-reduce", a.overlap_grad_reduce),
+        ("--svg", a.svg.is_some()),
+    ] {
+        if given {
+            chosen.push(flag);
+        }
+    }
+    if a.search || a.validate {
+        anyhow::ensure!(
+            chosen.is_empty(),
+            "{} choose{} a layout: {} tries every one (or takes the published ones); drop {}",
+            chosen.join(", "),
+            if chosen.len() == 1 { "s" } else { "" },
+            if a.search { "--search" } else { "--validate" },
+            chosen.join(", ")
+        );
+    }
     if a.validate {
+        let model_flags = [a.n_layer.is_some(), a.n_embd.is_some(), a.n_head.is_some(), a.ffn.is_some()];
+        anyhow::ensure!(
+            !model_flags.contains(&true) && a.gpus.is_none() && a.global_batch_size.is_none(),
+            "--validate simulates the published runs' models and clusters: it takes no model, --gpus or batch"
+        );
         return validate_all(&gpu, s.json);
     }
     let model = match (a.n_layer, a.n_embd, a.n_head) {
@@ -200,7 +239,7 @@ fn layout_name(l: &Layout) -> String {
 
 fn print_prediction(p: &Prediction, device: f64) {
     println!(
-        "  step {:.3} s · {:.0} tokens/s · MFU {:.1}% · {:.1} TFLOP/s per GPU counted as Megatron does (with recompute)",
+        "  step {:.3} s · {:.0} tokens/s · MFU {:.1}% · {:.1} TFLOP/s per GPU computed (Megatron's count: recompute included)",
         p.step_s,
         p.tokens_per_s,
         100.0 * p.mfu,
@@ -274,7 +313,7 @@ fn search_all(
 }
 
 fn validate_all(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
-    anyhow::ensure!(gpu.name == "a100-80gb", "the published runs are on A100-80GB: --gpu a100-80gb (the default here)");
+    anyhow::ensure!(gpu.name == "a100-80gb", "the published runs are on A100-80GB: --gpu a100-80gb (the default)");
     let mut rows = Vec::new();
     for r in validate::megatron_table_1() {
         let p = simulate_step(&r.model, gpu, &r.layout).map_err(anyhow::Error::msg)?;
@@ -305,7 +344,7 @@ fn validate_all(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
         println!("{}", json!({"megatron_table_1": v, "simulator_seconds": t}));
         return Ok(());
     }
-    println!("Narayanan et al. 2021, Table 1 (A100-80GB, full recompute; micro-batch 1 and plain 1F1B assumed):");
+    println!("Narayanan et al. 2021, Table 1 (A100-80GB, fp16, full recompute; micro-batch 1 and plain 1F1B assumed):");
     println!(
         "{:>8} {:>6} {:>3} {:>3} {:>6} {:>10} {:>10} {:>7}",
         "model", "GPUs", "tp", "pp", "batch", "published", "predicted", "error"
