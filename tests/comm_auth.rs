@@ -4,8 +4,9 @@
 //! break a real job, nor make the store grow.
 
 use shardlab::comm::auth::{
-    self, client_handshake, expect_rank, server_handshake, ClientHandshake, HandshakeStream, Identity, Secret,
-    ServerHandshake, CHANNEL_CONTROL, CHANNEL_DATA, CLIENT_HELLO_LEN, MAX_UNAUTHENTICATED_BYTES, SERVER_HELLO_LEN,
+    self, client_handshake, client_handshake_with_verdict, expect_rank, server_handshake, ClientHandshake,
+    HandshakeStream, Identity, Secret, ServerHandshake, CHANNEL_CONTROL, CHANNEL_DATA, CLIENT_HELLO_LEN,
+    MAX_UNAUTHENTICATED_BYTES, SERVER_HELLO_LEN,
 };
 use shardlab::comm::store::{self, StoreClient, StoreServer};
 use shardlab::prelude::*;
@@ -74,6 +75,28 @@ fn is_auth(r: &CommResult<Identity>) -> bool {
 
 // ---------------------------------------------------------------------------------------------
 // The handshake.
+
+/// A slow verdict: the server takes its time between the client's proof and its verdict (here its
+/// check sleeps 1.5 s; on a crowded machine, a descheduled listener). A dialler that gave up at
+/// its 0.5 s handshake deadline would dial again and meet the connection the server accepted as a
+/// duplicate; the mesh's dialler waits for the verdict as long as the rendezvous lasts.
+#[test]
+fn a_dialler_waits_for_a_slow_verdict_until_the_rendezvous_deadline() {
+    let k = secret(7);
+    let slow = |p: &Identity| {
+        std::thread::sleep(Duration::from_millis(1500));
+        expect_rank(p, 3, 4)
+    };
+    let server = |s: &mut TcpStream| server_handshake(s, &k, &Identity::new(JOB, 1, 4, CHANNEL_DATA), soon(5000), slow);
+    let me = Identity::new(JOB, 3, 4, CHANNEL_DATA);
+    let (srv, cli) =
+        both(server, |c| client_handshake_with_verdict(c, &k, &me, soon(500), soon(5000), |p| expect_rank(p, 1, 4)));
+    assert_eq!(srv.unwrap().rank(), 3);
+    assert_eq!(cli.unwrap().rank(), 1, "the verdict came within the rendezvous deadline");
+    // With one deadline for everything, the dialler gives up before the verdict.
+    let (_, cli) = both(server, |c| client_handshake(c, &k, &me, soon(500), |p| expect_rank(p, 1, 4)));
+    assert!(cli.is_err(), "{cli:?}");
+}
 
 #[test]
 fn right_secret_passes_both_ways_with_proven_identities() {

@@ -273,7 +273,23 @@ pub fn client_handshake<S: HandshakeStream>(
     deadline: Instant,
     check: impl FnOnce(&Identity) -> CommResult<()>,
 ) -> CommResult<Identity> {
-    let r = client_inner(s, secret, me, deadline, check);
+    client_handshake_with_verdict(s, secret, me, deadline, deadline, check)
+}
+
+/// [`client_handshake`] that waits for the server's verdict until `verdict_deadline` rather than
+/// `deadline`. Once the server has proven itself and taken our proof it may already have
+/// accepted the connection; a dialler that gave up on a slow verdict and dialled again would
+/// meet that accepted connection as a duplicate. The mesh waits for the verdict as long as the
+/// rendezvous lasts.
+pub fn client_handshake_with_verdict<S: HandshakeStream>(
+    s: &mut S,
+    secret: &Secret,
+    me: &Identity,
+    deadline: Instant,
+    verdict_deadline: Instant,
+    check: impl FnOnce(&Identity) -> CommResult<()>,
+) -> CommResult<Identity> {
+    let r = client_inner(s, secret, me, (deadline, verdict_deadline.max(deadline)), check);
     let _ = s.set_io_timeout(None);
     r
 }
@@ -282,7 +298,7 @@ fn client_inner<S: HandshakeStream>(
     s: &mut S,
     secret: &Secret,
     me: &Identity,
-    deadline: Instant,
+    (deadline, verdict_deadline): (Instant, Instant),
     check: impl FnOnce(&Identity) -> CommResult<()>,
 ) -> CommResult<Identity> {
     let io = |e: std::io::Error| CommError::Io(format!("authentication handshake: {e}"));
@@ -294,10 +310,10 @@ fn client_inner<S: HandshakeStream>(
     check(&peer)?;
     write_full(s, &proof, deadline).map_err(io)?;
     let mut v = [0u8; 2];
-    read_full(s, &mut v, deadline).map_err(io)?;
+    read_full(s, &mut v, verdict_deadline).map_err(io)?;
     let mut reason = [0u8; MAX_REASON];
     let reason = &mut reason[..v[1] as usize];
-    read_full(s, reason, deadline).map_err(io)?;
+    read_full(s, reason, verdict_deadline).map_err(io)?;
     match v[0] {
         ACCEPTED => Ok(peer),
         REFUSED => Err(CommError::Rendezvous(format!(

@@ -80,8 +80,9 @@ use sha2::{Digest, Sha256};
 
 pub(crate) use handshake::server_handshake_observed;
 pub use handshake::{
-    client_handshake, server_handshake, ClientHandshake, HandshakeStream, ServerHandshake, CLIENT_HELLO_LEN,
-    HANDSHAKE_DEADLINE, MAX_REASON, MAX_UNAUTHENTICATED_BYTES, PROOF_LEN, SERVER_HELLO_LEN,
+    client_handshake, client_handshake_with_verdict, server_handshake, ClientHandshake, HandshakeStream,
+    ServerHandshake, CLIENT_HELLO_LEN, HANDSHAKE_DEADLINE, MAX_REASON, MAX_UNAUTHENTICATED_BYTES, PROOF_LEN,
+    SERVER_HELLO_LEN,
 };
 
 /// The environment variable that carries the job's secret (64 hex digits).

@@ -55,8 +55,12 @@ fn dial(
         let attempt = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(100)))
             .map_err(|e| CommError::Io(format!("cannot connect to rank {peer} at {addr}: {e}")))
             .and_then(|mut s| {
+                // The exchange within the handshake's deadline; the verdict as long as the
+                // rendezvous lasts (the listener may have accepted us already).
                 let until = deadline.min(Instant::now() + auth::HANDSHAKE_DEADLINE);
-                auth::client_handshake(&mut s, secret, &me, until, |p| auth::expect_rank(p, peer, world))?;
+                auth::client_handshake_with_verdict(&mut s, secret, &me, until, deadline, |p| {
+                    auth::expect_rank(p, peer, world)
+                })?;
                 Ok(s)
             });
         match attempt {
