@@ -58,8 +58,9 @@ fn each_parallelism_moves_memory_and_time_its_way() {
     // Recomputing nothing is faster and holds more.
     let keep = run(&|l: &mut Layout| l.recompute = Recompute::None);
     assert!(keep.step_s < ddp.step_s && keep.memory.activations > ddp.memory.activations);
-    // Tensor parallelism across nodes (16 > 8 GPUs a node): each GPU computes half as much as
-    // with tp 8 and sends as much, over the NICs: its collectives take a much larger share.
+    // Tensor parallelism across nodes (16 > 8 GPUs a node): each GPU computes about half as much
+    // as with tp 8 (a little more: smaller GEMMs keep fewer SMs busy) and sends as much, over the
+    // NICs: its collectives take a much larger share of the step.
     let share = |s: &shardlab::sim::Prediction| s.split.tp_comm / s.split.compute;
     let node = run(&|l: &mut Layout| {
         l.dp = 2;
@@ -72,7 +73,7 @@ fn each_parallelism_moves_memory_and_time_its_way() {
         l.global_batch = 8;
     });
     assert!(across.split.tp_comm > node.split.tp_comm);
-    assert!(share(&across) > 2.0 * share(&node), "{:?} vs {:?}", across.split, node.split);
+    assert!(share(&across) > 1.5 * share(&node), "{:?} vs {:?}", across.split, node.split);
 }
 
 #[test]
@@ -147,8 +148,9 @@ fn sequence_parallelism_and_interleaving_change_memory_as_published() {
 
 /// Narayanan et al. 2021, Table 1 (`sim::validate`): TFLOP/s per GPU as they count them (their
 /// Eq. 3), predicted next to published. The target is 10% on each row; today's model is
-/// within 15% on every row (−1% to +13%: its GEMMs run at one efficiency whatever their shape),
-/// so this guards the figures lesson 15 prints and says the worst row.
+/// within 12% on every row (−11.5% to +4%, 3.7% on average): its GEMMs use one tile shape, where
+/// cuBLAS picks among several, so it overcounts wave quantization for some shapes (the 7.5B and
+/// 18.4B rows). This guards the figures lesson 15 prints and says the worst row.
 #[test]
 fn megatrons_weak_scaling_table_within_fifteen_percent() {
     let a100 = profile("a100-80gb").unwrap();

@@ -43,6 +43,8 @@ pub struct Gpu {
     pub memory_bytes: f64,
     /// Device memory bandwidth, bytes per second.
     pub memory_bytes_per_s: f64,
+    /// Streaming multiprocessors (a GEMM's tiles run in waves of one per SM, `sim::gemm`).
+    pub sms: usize,
     /// GPUs per node.
     pub gpus_per_node: usize,
     /// Within a node.
@@ -91,6 +93,7 @@ pub fn profiles() -> Vec<Gpu> {
             peak_flops_32: 19.5e12,
             memory_bytes: 81920.0 * MIB,
             memory_bytes_per_s: 2.039e12,
+            sms: 108,
             gpus_per_node: 8,
             // NVLink 3: 600 GB/s per GPU both directions together.
             intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 300e9, efficiency: NVLINK_EFFICIENCY },
@@ -99,7 +102,7 @@ pub fn profiles() -> Vec<Gpu> {
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
             source: "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB: 312 TFLOP/s dense bf16, 2,039 GB/s, \
-                     NVLink 600 GB/s); DGX A100 data sheet (8× 200 Gb/s HDR HCAs), the cluster of \
+                     NVLink 600 GB/s; 108 SMs, the A100 architecture whitepaper); DGX A100 data sheet (8× 200 Gb/s HDR HCAs), the cluster of \
                      Narayanan et al. 2021 §5"
                 .into(),
         },
@@ -109,6 +112,7 @@ pub fn profiles() -> Vec<Gpu> {
             peak_flops_32: 67e12,
             memory_bytes: 81559.0 * MIB,
             memory_bytes_per_s: 3.35e12,
+            sms: 132,
             gpus_per_node: 8,
             // NVLink 4: 900 GB/s per GPU both directions together.
             intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 450e9, efficiency: NVLINK_EFFICIENCY },
@@ -117,7 +121,7 @@ pub fn profiles() -> Vec<Gpu> {
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
             source: "NVIDIA H100 Tensor Core GPU data sheet (SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s, NVLink \
-                     900 GB/s); DGX H100 data sheet (8× 400 Gb/s ConnectX-7)"
+                     900 GB/s; 132 SMs, the H100 architecture whitepaper); DGX H100 data sheet (8× 400 Gb/s ConnectX-7)"
                 .into(),
         },
         Gpu {
@@ -126,13 +130,14 @@ pub fn profiles() -> Vec<Gpu> {
             peak_flops_32: 67e12,
             memory_bytes: 143771.0 * MIB,
             memory_bytes_per_s: 4.8e12,
+            sms: 132,
             gpus_per_node: 8,
             intra: Link { alpha: NVLINK_ALPHA, bytes_per_s: 450e9, efficiency: NVLINK_EFFICIENCY },
             inter: Link { alpha: IB_ALPHA, bytes_per_s: 50e9, efficiency: IB_EFFICIENCY },
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
             source: "NVIDIA H200 Tensor Core GPU data sheet (SXM: 989 TFLOP/s dense bf16, 141 GB, 4.8 TB/s, \
-                     NVLink 900 GB/s); DGX H200 (8× 400 Gb/s ConnectX-7)"
+                     NVLink 900 GB/s; the H100's 132 SMs); DGX H200 (8× 400 Gb/s ConnectX-7)"
                 .into(),
         },
     ]
@@ -167,7 +172,7 @@ impl Gpu {
                 return Err(format!("{}: {what} must be a positive number, not {v}", self.name));
             }
         }
-        if !(self.intra.alpha >= 0.0 && self.inter.alpha >= 0.0) || self.gpus_per_node == 0 {
+        if !(self.intra.alpha >= 0.0 && self.inter.alpha >= 0.0) || self.gpus_per_node == 0 || self.sms == 0 {
             return Err(format!("{}: latencies must not be negative and a node holds a GPU", self.name));
         }
         Ok(())

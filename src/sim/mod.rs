@@ -9,12 +9,14 @@
 //!
 //! * [`hardware`] — GPU and network profiles (A100, H100, H200), each figure with its source;
 //! * [`collective`] — a collective's time on a group placed on nodes (ring, tree, the NIC bound);
-//! * [`model`] — a GPT's parameters, FLOPs and element-wise traffic per layer;
+//! * [`model`] — a GPT's parameters, FLOPs, GEMM shapes and element-wise traffic per layer;
+//! * [`gemm`] — a GEMM's time by its shape (tile and wave quantization);
 //! * [`step`] — one step: the pipeline simulated, data parallelism and the optimizer added;
 //! * [`search`] — every layout that fits, ranked by tokens/s;
 //! * [`validate`] — the published runs the simulator is checked against.
 
 pub mod collective;
+pub mod gemm;
 pub mod hardware;
 pub mod model;
 pub mod search;

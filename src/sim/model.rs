@@ -20,6 +20,7 @@
 //! scale-mask-softmax 4·a·b·s² · attention dropout 5·a·b·s²  (/t)
 //! ```
 
+use super::gemm::Gemm;
 use serde::{Deserialize, Serialize};
 
 /// A GPT's shape.
@@ -83,6 +84,26 @@ impl Model {
         ((8.0 * b * s * h * h + 4.0 * b * s * h * f) / tp, 4.0 * b * s * s * h / tp)
     }
 
+    /// The forward GEMMs of one layer for `b` sequences on one of `tp` ranks: the dense ones
+    /// (QKV, projection, MLP up and down, over b·s tokens) and the attention's batched ones
+    /// (scores and weighted sum, one per sequence and local head). Their FLOPs are
+    /// [`layer_forward_flops`](Self::layer_forward_flops)'s.
+    pub fn layer_gemms(&self, b: usize, tp: usize) -> ([Gemm; 4], [Gemm; 2]) {
+        let (h, f, s, a) = (self.hidden, self.ffn, self.seq, self.heads);
+        let (m, d) = (b * s, h / a);
+        let g = |k, n| Gemm { batch: 1, m, k, n };
+        let heads = b * a / tp;
+        (
+            [g(h, 3 * h / tp), g(h / tp, h), g(h, f / tp), g(f / tp, h)],
+            [Gemm { batch: heads, m: s, k: d, n: s }, Gemm { batch: heads, m: s, k: s, n: d }],
+        )
+    }
+
+    /// The output layer's forward GEMM for `b` sequences on one of `tp` ranks.
+    pub fn logits_gemm(&self, b: usize, tp: usize) -> Gemm {
+        Gemm { batch: 1, m: b * self.seq, k: self.hidden, n: self.vocab / tp }
+    }
+
     /// Bytes one layer's forward element-wise kernels read and write for `b` sequences on one
     /// of `tp` ranks: (outside attention, attention's s × s part) — module docs.
     pub fn elementwise_bytes(&self, b: f64, tp: f64, sequence_parallel: bool) -> (f64, f64) {
@@ -143,5 +164,9 @@ mod tests {
         assert!(((dense + attn) - want).abs() / want < 1e-12);
         let (d4, a4) = m.layer_forward_flops(2.0, 4.0);
         assert_eq!((d4 * 4.0, a4 * 4.0), (dense, attn));
+        // The GEMMs' shapes hold the same FLOPs.
+        let (g, at) = m.layer_gemms(2, 4);
+        let sum = |x: &[Gemm]| x.iter().map(Gemm::flops).sum::<f64>();
+        assert!((sum(&g) - d4).abs() < 1e-6 * d4 && (sum(&at) - a4).abs() < 1e-6 * a4);
     }
 }

@@ -7,7 +7,8 @@
 //! The step, as Megatron-LM (2021) and the course's engine run it:
 //! 1. the pipeline: each rank runs the course's own schedule (`pipeline::schedule` for GPipe and
 //!    1F1B, `pipeline::interleaved` for v > 1) through `pipeline::simulate_timed`; an operation
-//!    of a chunk of layers costs its GEMMs at the GPU's GEMM efficiency, its element-wise
+//!    of a chunk of layers costs its GEMMs by their shapes (`sim::gemm`: the GPU's GEMM
+//!    efficiency, and the SMs a shape's tiles keep busy), its element-wise
 //!    kernels at the memory bandwidth, tensor parallelism's all-reduces (or sequence
 //!    parallelism's all-gathers and reduce-scatters) over the tp group, recomputation's forward,
 //!    and the send of its activations to the next virtual stage; the last chunk adds the output
@@ -20,6 +21,7 @@
 //! 3. the optimizer: AdamW reads and writes every parameter's state it holds once (memory-bound).
 
 use super::collective::{time, Coll, Placement};
+use super::gemm::Gemm;
 use super::hardware::Gpu;
 use super::model::Model;
 use crate::memory::{layer_activation_bytes, model_state_bytes_with, Recompute, TransformerShape};
@@ -190,15 +192,18 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     let tp_at = Placement::strided(tp, 1, g);
     let dp_at = Placement::strided(dp, tp, g);
 
-    // One layer, one micro-batch, on one tp rank.
-    let (dense, attn) = model.layer_forward_flops(b, t);
+    // One layer, one micro-batch, on one tp rank: its GEMMs by their shapes (`sim::gemm`), its
+    // element-wise kernels by their bytes.
+    let (dense, attn) = model.layer_gemms(l.micro_batch, tp);
+    let fwd = |g: &[Gemm]| g.iter().map(|g| g.time(gpu, l.precision)).sum::<f64>();
+    let bwd = |g: &[Gemm]| g.iter().flat_map(Gemm::backward).map(|g| g.time(gpu, l.precision)).sum::<f64>();
     let (ew, ew_attn) = model.elementwise_bytes(b, t, l.sequence_parallel);
     let (ew, ew_attn) = (ew * act / 2.0, ew_attn * act / 2.0);
-    let layer_f = kernel_time(gpu, l.precision, dense + attn, ew + ew_attn);
-    let layer_b = 2.0 * layer_f;
+    let layer_f = fwd(&dense) + fwd(&attn) + kernel_time(gpu, l.precision, 0.0, ew + ew_attn);
+    let layer_b = bwd(&dense) + bwd(&attn) + 2.0 * kernel_time(gpu, l.precision, 0.0, ew + ew_attn);
     let recompute = match l.recompute {
         Recompute::None => 0.0,
-        Recompute::Selective => kernel_time(gpu, l.precision, attn, ew_attn),
+        Recompute::Selective => fwd(&attn) + kernel_time(gpu, l.precision, 0.0, ew_attn),
         Recompute::Full => layer_f,
     };
     let activation = b * (model.seq * model.hidden) as f64 * act;
@@ -226,12 +231,9 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     // (Megatron's `main_grad`): read both, write one, for the chunk's parameters.
     let chunk_params = layers * model.layer_params() / t;
     let accumulate = kernel_time(gpu, l.precision, 0.0, chunk_params * (act + 2.0 * grad));
-    let logits = model.logits_forward_flops(b, t);
-    let logits_bytes = 12.0 * b * (model.seq * model.vocab) as f64 / t;
-    let (logits_f, logits_b) = (
-        kernel_time(gpu, l.precision, logits, logits_bytes),
-        kernel_time(gpu, l.precision, 2.0 * logits, logits_bytes),
-    );
+    let logits = [model.logits_gemm(l.micro_batch, tp)];
+    let logits_bytes = kernel_time(gpu, l.precision, 0.0, 12.0 * b * (model.seq * model.vocab) as f64 / t);
+    let (logits_f, logits_b) = (fwd(&logits) + logits_bytes, bwd(&logits) + logits_bytes);
     let vs = pp * v;
     let compute_of = |k: usize, op: Op| match op {
         Op::Forward(_) => layers * layer_f + if k + 1 == vs { logits_f } else { 0.0 },

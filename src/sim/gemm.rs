@@ -1,0 +1,81 @@
+//! How long a GEMM takes on a simulated GPU: its FLOPs at the GPU's large-GEMM efficiency, times
+//! how much of the GPU its shape keeps busy.
+//!
+//! A GEMM's output is cut into tiles, one thread block each, and the blocks run in waves of one
+//! per SM (NVIDIA's "Matrix Multiplication Background" guide, "Tile quantization" and "Wave
+//! quantization": its A100 examples use 256 × 128 tiles on 108 SMs). A shape that needs 109
+//! tiles runs two waves for barely more than one wave's work; an edge tile computes a full tile
+//! for part of one. Both effects are counted, with 256 × 128 tiles:
+//!
+//! ```text
+//! tiles = batch · ⌈m/256⌉ · ⌈n/128⌉          waves = ⌈tiles / SMs⌉
+//! busy  = (batch · m · n) / (waves · SMs · 256 · 128)
+//! time  = 2·batch·m·k·n / (peak · gemm_efficiency · busy)
+//! ```
+//!
+//! The backward of `(m, k) × (k, n)` is two GEMMs of the same FLOPs with other outputs: the
+//! input's gradient `(m, n) × (n, k)` and the weight's `(k, m) × (m, n)`.
+
+use super::hardware::Gpu;
+use crate::precision::Precision;
+
+/// One GEMM: `batch` products of (m × k) by (k × n).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    pub batch: usize,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+/// The output tile the guide's examples use (rows, columns).
+pub const TILE: (usize, usize) = (256, 128);
+
+impl Gemm {
+    pub fn flops(&self) -> f64 {
+        2.0 * (self.batch * self.m) as f64 * self.k as f64 * self.n as f64
+    }
+
+    /// The fraction of `sms` SMs' tile slots that do useful work (module docs).
+    pub fn busy(&self, sms: usize) -> f64 {
+        let tiles = self.batch * self.m.div_ceil(TILE.0) * self.n.div_ceil(TILE.1);
+        let waves = tiles.div_ceil(sms.max(1)).max(1);
+        (self.batch * self.m * self.n) as f64 / (waves * sms.max(1) * TILE.0 * TILE.1) as f64
+    }
+
+    /// Its backward: the input's gradient and the weight's (or the second operand's).
+    pub fn backward(&self) -> [Gemm; 2] {
+        let Gemm { batch, m, k, n } = *self;
+        [Gemm { batch, m, k: n, n: k }, Gemm { batch, m: k, k: m, n }]
+    }
+
+    /// Seconds on `gpu` in `precision`.
+    pub fn time(&self, gpu: &Gpu, precision: Precision) -> f64 {
+        let peak = if precision == Precision::Fp32 { gpu.peak_flops_32 } else { gpu.peak_flops_16 };
+        self.flops() / (peak * gpu.gemm_efficiency * self.busy(gpu.sms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_tile_too_many_costs_a_wave() {
+        // 108 tiles fill an A100's 108 SMs once; 109 need a second wave, half of it idle.
+        let full = Gemm { batch: 1, m: 256 * 108, k: 4096, n: 128 };
+        assert_eq!(full.busy(108), 1.0);
+        let over = Gemm { batch: 1, m: 256 * 109, k: 4096, n: 128 };
+        assert!((over.busy(108) - 109.0 / 216.0).abs() < 1e-12);
+        // Half a tile at the edge: a full tile's work for half of one.
+        let edge = Gemm { batch: 1, m: 128, k: 64, n: 128 };
+        assert_eq!(edge.busy(1), 0.5);
+        // The backward keeps the FLOPs and turns the output.
+        let g = Gemm { batch: 3, m: 2048, k: 512, n: 1536 };
+        for b in g.backward() {
+            assert_eq!(b.flops(), g.flops());
+        }
+        assert_eq!(g.backward()[0], Gemm { batch: 3, m: 2048, k: 1536, n: 512 });
+        assert_eq!(g.backward()[1], Gemm { batch: 3, m: 512, k: 2048, n: 1536 });
+    }
+}
