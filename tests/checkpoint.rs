@@ -819,3 +819,24 @@ fn two_jobs_of_one_process_are_told_apart() {
     assert_eq!(checkpoint::committed(&dir).len(), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A job that fails after saving frees its folder for other processes: the training loops hold a
+/// `FolderRelease` from their start, which releases on every way out (here an error).
+#[test]
+fn a_failed_job_releases_its_folder() {
+    let dir = tmpdir("failed-job");
+    let d = dir.clone();
+    let r = spawn(2, Backend::Local, move |pg| {
+        let _release = checkpoint::FolderRelease::new(vec![d.clone()], pg.job());
+        let dp = wrap(pg, S::Ddp, 1, Precision::Fp32)?;
+        checkpoint::save(&*dp, &opt(), &d, 1, json!({}), &SaveOptions::default())?;
+        let held = !std::process::Command::new("flock").arg("-n").arg(d.join(".lock")).arg("true").status()?.success();
+        anyhow::ensure!(!held || pg.rank() != 0, "rank 0 fails after its save (the folder held: {held})");
+        Ok(())
+    });
+    let e = format!("{:#}", r.unwrap_err());
+    assert!(e.contains("the folder held: true"), "{e}");
+    let free = std::process::Command::new("flock").arg("-n").arg(dir.join(".lock")).arg("true").status().unwrap();
+    assert!(free.success(), "the failed job's folder is free for another process");
+    let _ = std::fs::remove_dir_all(&dir);
+}

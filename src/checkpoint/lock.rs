@@ -4,9 +4,12 @@
 //! saving into the same folder would remove the first one's unfinished `step-N.tmp` and its older
 //! steps (`keep_last`); it is refused instead, with the holder's pid and host. Within one process
 //! (thread ranks, a notebook) the lock is the job's: a folder another job of this process holds
-//! is refused the same way, and a job that ended — or failed without releasing it — holds it no
-//! longer once its groups are gone ([`JobToken::alive`]). Where the file system has no `flock`
-//! (Lustre without `-o flock`), saving goes on without the lock, with a warning.
+//! is refused the same way. The training loops release their folders when the job ends, failed
+//! or not ([`FolderRelease`]); a lock a job left behind anyway (a job that called `save` itself)
+//! passes to the next job of the process once the first job's groups are gone
+//! ([`JobToken::alive`]), and any lock or unlock in the process closes such leftovers. Where the
+//! file system has no `flock` (Lustre without `-o flock`), saving goes on without the lock, with a
+//! warning.
 
 use crate::comm::JobToken;
 use anyhow::Context;
@@ -28,6 +31,9 @@ const LOCK: &str = ".lock";
 pub fn lock_folder(dir: &Path, job: &JobToken) -> anyhow::Result<()> {
     let key = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
     let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+    // Locks of jobs whose groups are gone are closed (other processes may take those folders),
+    // except this folder's, which passes to `job` below.
+    held.retain(|k, (_, holder)| holder.alive() || *k == key);
     if let Some((f, holder)) = held.get_mut(&key) {
         // Still the folder's lock file (not one of a folder since removed and made again)?
         use std::os::unix::fs::MetadataExt;
@@ -41,9 +47,9 @@ pub fn lock_folder(dir: &Path, job: &JobToken) -> anyhow::Result<()> {
                 return Ok(());
             }
             anyhow::bail!(
-                "{} is in use by another job (another job of this process, pid {}, still running): two jobs \
-                 saving into one folder would remove each other's checkpoints — give this one its own \
-                 checkpoint folder, or let the other end",
+                "{} is in use by another job (another job of this process, pid {}, still running or still \
+                 holding its process groups): two jobs saving into one folder would remove each other's \
+                 checkpoints — give this one its own checkpoint folder, or let the other end",
                 dir.display(),
                 std::process::id()
             );
@@ -91,13 +97,36 @@ pub fn lock_folder(dir: &Path, job: &JobToken) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Release `job`'s lock on checkpoint folder `dir`, if it holds it (a job's last rank 0 step:
-/// the next job in this process, or one it launches, may save there). Another job's lock stays.
+/// Release `job`'s lock on checkpoint folder `dir`, if it holds it (a job's end: the next job in
+/// this process, or one it launches, may save there), or a lock there whose job is gone. A
+/// running job's lock stays.
 pub fn unlock_folder(dir: &Path, job: &JobToken) {
+    let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+    held.retain(|_, (_, holder)| holder.alive());
     if let Ok(key) = dir.canonicalize() {
-        let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
         if held.get(&key).is_some_and(|(_, holder)| holder.same_job(job)) {
             held.remove(&key);
+        }
+    }
+}
+
+/// Releases `job`'s locks on `dirs` when dropped: a training loop holds one from its start, so
+/// its folders are free when it ends — returning, failing with an error or panicking.
+pub struct FolderRelease {
+    dirs: Vec<PathBuf>,
+    job: JobToken,
+}
+
+impl FolderRelease {
+    pub fn new(dirs: Vec<PathBuf>, job: JobToken) -> Self {
+        FolderRelease { dirs, job }
+    }
+}
+
+impl Drop for FolderRelease {
+    fn drop(&mut self) {
+        for d in &self.dirs {
+            unlock_folder(d, &self.job);
         }
     }
 }

@@ -53,7 +53,7 @@ pub use folder::{committed, resolve, try_committed};
 use folder::{fsync_dir, remove_checkpoint, seq_of, write_synced};
 pub use holder::{HeldPiece, HeldSlot, Holder};
 pub use load::load;
-pub use lock::{lock_folder, unlock_folder};
+pub use lock::{lock_folder, unlock_folder, FolderRelease};
 pub use save::save;
 use std::ops::Range;
 

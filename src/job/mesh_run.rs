@@ -102,6 +102,11 @@ pub fn data_dim(strategy: Strategy) -> DataDim {
 /// The per-worker loop (called by [`GptJob::run`] when the scaling config asks for
 /// `tensor_parallel > 1` or `pipeline.stages > 1`). Returns this rank's summary.
 pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
+    // The checkpoint folders are this job's until it ends, however it ends.
+    let release = crate::checkpoint::FolderRelease::new(
+        job.checkpoint.dir.iter().flat_map(|d| [d.clone(), super::eval::best_dir(d)]).collect(),
+        ctx.group().job(),
+    );
     let s = ctx.scaling().clone();
     let n = ctx.world_size();
     let dims = ParallelDims::new(n, s.tensor_parallel, s.pipeline.stages).map_err(anyhow::Error::msg)?;
@@ -224,11 +229,8 @@ pub fn run(job: &GptJob, ctx: &mut TrainContext) -> anyhow::Result<RunSummary> {
         }
         ctx.report(line)?;
     }
-    // The job's saves are over: its checkpoint folder is free for the next job.
-    if let (Some(dir), 0) = (&job.checkpoint.dir, ctx.rank()) {
-        crate::checkpoint::unlock_folder(dir, &ctx.group().job());
-        crate::checkpoint::unlock_folder(&super::eval::best_dir(dir), &ctx.group().job());
-    }
+    // The job's saves are over: its checkpoint folders are free for the next job.
+    drop(release);
     if let Some(p) = &job.save {
         let full = engine.full_parameters()?;
         if let Some(full) = full.filter(|_| ctx.rank() == 0) {

@@ -26,6 +26,11 @@ impl GptJob {
         if ctx.scaling().pipeline.stages != 1 || ctx.scaling().tensor_parallel != 1 {
             return super::mesh_run::run(self, ctx);
         }
+        // The checkpoint folders are this job's until it ends, however it ends.
+        let release = crate::checkpoint::FolderRelease::new(
+            self.checkpoint.dir.iter().flat_map(|d| [d.clone(), super::eval::best_dir(d)]).collect(),
+            ctx.group().job(),
+        );
         let data = self.data.load()?;
         let model = self.build_model()?;
         let params = model.num_params();
@@ -156,11 +161,8 @@ impl GptJob {
             }
             ctx.report(line)?;
         }
-        // The job's saves are over: its checkpoint folder is free for the next job.
-        if let (Some(dir), 0) = (&self.checkpoint.dir, rank) {
-            crate::checkpoint::unlock_folder(dir, &ctx.group().job());
-            crate::checkpoint::unlock_folder(&super::eval::best_dir(dir), &ctx.group().job());
-        }
+        // The job's saves are over: its checkpoint folders are free for the next job.
+        drop(release);
         if let Some(p) = &self.save {
             // Sharded strategies hold pieces: every rank takes part in gathering the full weights.
             let full = dp.full_parameters()?;
