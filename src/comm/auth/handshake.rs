@@ -276,11 +276,8 @@ pub fn client_handshake<S: HandshakeStream>(
     client_handshake_with_verdict(s, secret, me, deadline, deadline, check)
 }
 
-/// [`client_handshake`] that waits for the server's verdict until `verdict_deadline` rather than
-/// `deadline`. Once the server has proven itself and taken our proof it may already have
-/// accepted the connection; a dialler that gave up on a slow verdict and dialled again would
-/// meet that accepted connection as a duplicate. The mesh waits for the verdict as long as the
-/// rendezvous lasts.
+/// [`client_handshake`] waiting for the verdict until `verdict_deadline`: a server that has taken
+/// our proof may have accepted us already, and a redial would then be a duplicate.
 pub fn client_handshake_with_verdict<S: HandshakeStream>(
     s: &mut S,
     secret: &Secret,
