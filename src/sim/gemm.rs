@@ -51,8 +51,7 @@ impl Gemm {
 
     /// Seconds on `gpu` in `precision`.
     pub fn time(&self, gpu: &Gpu, precision: Precision) -> f64 {
-        let peak = if precision == Precision::Fp32 { gpu.peak_flops_32 } else { gpu.peak_flops_16 };
-        self.flops() / (peak * gpu.gemm_efficiency * self.busy(gpu.sms))
+        self.flops() / (gpu.peak_flops(precision) * gpu.gemm_efficiency * self.busy(gpu.sms))
     }
 }
 

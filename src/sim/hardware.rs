@@ -153,6 +153,15 @@ pub fn profile(name: &str) -> Result<Gpu, String> {
 }
 
 impl Gpu {
+    /// The dense peak for GEMMs in `precision`: the 16-bit tensor-core peak, or fp32's.
+    pub fn peak_flops(&self, precision: crate::precision::Precision) -> f64 {
+        if precision == crate::precision::Precision::Fp32 {
+            self.peak_flops_32
+        } else {
+            self.peak_flops_16
+        }
+    }
+
     /// Checks that every figure is a positive number.
     pub fn check(&self) -> Result<(), String> {
         let figures = [

@@ -112,11 +112,6 @@ impl Model {
         (replicated + 4.0 * b * s * f / tp, 9.0 * a * b * s * s / tp)
     }
 
-    /// Forward FLOPs of the output layer (logits) for `b` sequences on one of `tp` ranks.
-    pub fn logits_forward_flops(&self, b: f64, tp: f64) -> f64 {
-        2.0 * b * (self.seq * self.hidden) as f64 * self.vocab as f64 / tp
-    }
-
     /// FLOPs one training iteration of `batch` sequences computes under `recompute`, as Megatron
     /// counts them (f = 4h; Korthikanti et al. 2022 §6): 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
     /// recomputing nothing, the attention's s·h term doubled under selective recomputation, and

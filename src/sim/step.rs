@@ -165,10 +165,10 @@ pub struct Prediction {
     pub fits: bool,
 }
 
-/// Seconds for `flops` of GEMMs and `bytes` of element-wise traffic on `gpu` in `precision`.
-fn kernel_time(gpu: &Gpu, precision: Precision, flops: f64, bytes: f64) -> f64 {
-    let peak = if precision == Precision::Fp32 { gpu.peak_flops_32 } else { gpu.peak_flops_16 };
-    flops / (peak * gpu.gemm_efficiency) + bytes / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
+/// Seconds for memory-bound kernels that read and write `bytes` on `gpu` (GEMMs are timed by
+/// their shapes, [`Gemm::time`]).
+fn memory_time(gpu: &Gpu, bytes: f64) -> f64 {
+    bytes / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
 }
 
 /// Simulate one step of `model` laid out as `layout` on GPUs like `gpu`.
@@ -199,11 +199,11 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     let bwd = |g: &[Gemm]| g.iter().flat_map(Gemm::backward).map(|g| g.time(gpu, l.precision)).sum::<f64>();
     let (ew, ew_attn) = model.elementwise_bytes(b, t, l.sequence_parallel);
     let (ew, ew_attn) = (ew * act / 2.0, ew_attn * act / 2.0);
-    let layer_f = fwd(&dense) + fwd(&attn) + kernel_time(gpu, l.precision, 0.0, ew + ew_attn);
-    let layer_b = bwd(&dense) + bwd(&attn) + 2.0 * kernel_time(gpu, l.precision, 0.0, ew + ew_attn);
+    let layer_f = fwd(&dense) + fwd(&attn) + memory_time(gpu, ew + ew_attn);
+    let layer_b = bwd(&dense) + bwd(&attn) + 2.0 * memory_time(gpu, ew + ew_attn);
     let recompute = match l.recompute {
         Recompute::None => 0.0,
-        Recompute::Selective => fwd(&attn) + kernel_time(gpu, l.precision, 0.0, ew_attn),
+        Recompute::Selective => fwd(&attn) + memory_time(gpu, ew_attn),
         Recompute::Full => layer_f,
     };
     let activation = b * (model.seq * model.hidden) as f64 * act;
@@ -230,9 +230,9 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     // After each micro-batch's backward, its gradients are added into the accumulated ones
     // (Megatron's `main_grad`): read both, write one, for the chunk's parameters.
     let chunk_params = layers * model.layer_params() / t;
-    let accumulate = kernel_time(gpu, l.precision, 0.0, chunk_params * (act + 2.0 * grad));
+    let accumulate = memory_time(gpu, chunk_params * (act + 2.0 * grad));
     let logits = [model.logits_gemm(l.micro_batch, tp)];
-    let logits_bytes = kernel_time(gpu, l.precision, 0.0, 12.0 * b * (model.seq * model.vocab) as f64 / t);
+    let logits_bytes = memory_time(gpu, 12.0 * b * (model.seq * model.vocab) as f64 / t);
     let (logits_f, logits_b) = (fwd(&logits) + logits_bytes, bwd(&logits) + logits_bytes);
     let vs = pp * v;
     let compute_of = |k: usize, op: Op| match op {
@@ -302,7 +302,7 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
             let reduce = time(gpu, Coll::ReduceScatter, local * grad, dp_at);
             let hidden = if l.overlap_grad_reduce { last_backward } else { 0.0 };
             let busy = split.compute + split.tp_comm;
-            (m as f64 * reduce - busy).max(0.0).max(reduce - hidden).max(0.0) + gather_params
+            (m as f64 * reduce - busy).max(reduce - hidden).max(0.0) + gather_params
         }
         _ => {
             // Per micro-batch and chunk: gather for the forward and the backward, reduce-scatter
@@ -318,7 +318,7 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     // moments and the 16-bit weights (fp32 training: no separate master).
     let optim_bytes = if l.precision == Precision::Fp32 { 28.0 } else { 26.0 + grad };
     let held = if l.zero >= 1 { local / dp as f64 } else { local };
-    split.optimizer = kernel_time(gpu, l.precision, 0.0, held * optim_bytes);
+    split.optimizer = memory_time(gpu, held * optim_bytes);
     let step_s = makespan + split.dp_exposed + split.optimizer;
 
     // Memory of the first pipeline rank: model states, and the activations of the chunks its
@@ -344,7 +344,7 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     let tokens = (l.global_batch * model.seq) as f64;
     let tokens_per_s = tokens / step_s;
     let gpus = l.gpus() as f64;
-    let peak = if l.precision == Precision::Fp32 { gpu.peak_flops_32 } else { gpu.peak_flops_16 };
+    let peak = gpu.peak_flops(l.precision);
     Ok(Prediction {
         step_s,
         tokens_per_s,
