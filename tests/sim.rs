@@ -173,3 +173,70 @@ fn megatrons_weak_scaling_table_within_fifteen_percent() {
     println!("worst row: {} at {:+.1}%", worst.1, worst.0 * 100.0);
     assert!(worst.0.abs() < 0.15, "{} off by {:+.1}%", worst.1, worst.0 * 100.0);
 }
+
+#[test]
+fn an_alpha_beta_fit_recovers_a_known_link() {
+    use shardlab::sim::calibrate::fit_all_reduce;
+    // Two ranks, α 20 µs, β 10 GB/s: a ring all-reduce takes 2α + B/β. Each point is disturbed
+    // by up to ±4% (alternating), as a benchmark's would be.
+    let (alpha, beta) = (20e-6, 10e9);
+    let points: Vec<(f64, f64)> = [65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0]
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| (b, (2.0 * alpha + b / beta) * if i % 2 == 0 { 1.04 } else { 0.96 }))
+        .collect();
+    let (a, b) = fit_all_reduce(&points, 2).unwrap();
+    assert!((a / alpha - 1.0).abs() < 0.25, "α {a}");
+    assert!((b / beta - 1.0).abs() < 0.06, "β {b}");
+    // Four ranks: the same times are 6 steps of α and 3/2 of B/β.
+    let (a4, b4) = fit_all_reduce(&points, 4).unwrap();
+    assert!((a4 * 6.0 - a * 2.0).abs() < 1e-12 && (b4 / 1.5 - b).abs() < 1e-3 * b);
+    assert!(fit_all_reduce(&points[..1], 2).is_err());
+    assert!(fit_all_reduce(&[(1e6, 1e-3), (2e6, 0.5e-3)], 2).is_err(), "times that fall with the size");
+}
+
+#[test]
+fn a_measured_table_replaces_the_gpus_peak_and_tiles() {
+    use shardlab::sim::gemm::{Gemm, Timed};
+    let mut gpu = profile("a100-80gb").unwrap();
+    let g = Gemm { batch: 1, m: 1024, k: 256, n: 768 };
+    let modelled = g.time(&gpu, shardlab::precision::Precision::Fp32);
+    gpu.gemm_table = vec![Timed { gemm: g, seconds: 4e-3 }];
+    assert_eq!(g.time(&gpu, shardlab::precision::Precision::Fp32), 4e-3);
+    assert_ne!(modelled, 4e-3);
+    // A shape the table lacks runs at the profile's peak, without GPU tiles: 2·m·k·n / peak.
+    let other = Gemm { batch: 1, m: 100, k: 100, n: 100 };
+    let t = other.time(&gpu, shardlab::precision::Precision::Fp32);
+    assert!((t - 2e6 / gpu.peak_flops_32).abs() < 1e-15, "{t}");
+}
+
+#[test]
+fn this_machines_kernels_are_timed_for_every_shape_the_step_asks_for() {
+    use shardlab::sim::calibrate::{measure_kernels, shapes, this_machine};
+    tch::set_num_threads(1);
+    let model = Model { layers: 2, hidden: 64, heads: 4, ffn: 256, seq: 32, vocab: 128 };
+    let mut layouts = vec![Layout::new(1, 1, 1), Layout::new(1, 2, 1)];
+    for l in &mut layouts {
+        l.precision = shardlab::precision::Precision::Fp32;
+        l.micro_batch = 2;
+        l.global_batch = 2;
+    }
+    let k = measure_kernels(&model, &layouts).unwrap();
+    for l in &layouts {
+        let (dense, attn) = shapes(&model, l);
+        for g in dense.iter().chain(&attn) {
+            let t = k.gemms.iter().find(|t| t.gemm == *g).unwrap_or_else(|| panic!("{g:?} not timed"));
+            assert!(t.seconds > 0.0 && t.seconds < 1.0, "{t:?}");
+        }
+    }
+    // Rates a CPU core can have: between 10 MB/s and 1 TB/s; AdamW between 0.01 and 1000 ns.
+    assert!(k.elementwise_bytes_per_s > 1e7 && k.elementwise_bytes_per_s < 1e12, "{k:?}");
+    assert!(k.optimizer_seconds_per_param > 1e-11 && k.optimizer_seconds_per_param < 1e-6, "{k:?}");
+    let gpu = this_machine(&k, 2, 1e9, (10e-6, 5e9)).unwrap();
+    let p = simulate_step(&model, &gpu, &layouts[1]).unwrap();
+    assert!(p.step_s > 0.0 && p.split.tp_comm > 0.0, "{p:?}");
+    // bf16 is refused: the table is fp32's.
+    let mut bf16 = layouts[0];
+    bf16.precision = shardlab::precision::Precision::Bf16;
+    assert!(measure_kernels(&model, &[bf16]).unwrap_err().contains("fp32"));
+}

@@ -20,12 +20,19 @@ use super::hardware::Gpu;
 use crate::precision::Precision;
 
 /// One GEMM: `batch` products of (m × k) by (k × n).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Gemm {
     pub batch: usize,
     pub m: usize,
     pub k: usize,
     pub n: usize,
+}
+
+/// One measured GEMM shape: seconds per call (a profile's table, `sim::calibrate`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Timed {
+    pub gemm: Gemm,
+    pub seconds: f64,
 }
 
 /// The output tile the guide's examples use (rows, columns).
@@ -49,8 +56,16 @@ impl Gemm {
         [Gemm { batch, m, k: n, n: k }, Gemm { batch, m: k, k: m, n }]
     }
 
-    /// Seconds on `gpu` in `precision`.
+    /// Seconds on `gpu` in `precision`: the measured time where `gpu` has a table with this shape
+    /// (a shape it lacks runs at its best measured rate).
     pub fn time(&self, gpu: &Gpu, precision: Precision) -> f64 {
+        if let Some(t) = gpu.gemm_table.iter().find(|t| t.gemm == *self) {
+            return t.seconds;
+        }
+        if !gpu.gemm_table.is_empty() {
+            // A measured profile without this shape: its best measured rate (no GPU tiles).
+            return self.flops() / gpu.peak_flops(precision);
+        }
         self.flops() / (gpu.peak_flops(precision) * gpu.gemm_efficiency * self.busy(gpu.sms))
     }
 }

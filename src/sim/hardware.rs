@@ -55,6 +55,19 @@ pub struct Gpu {
     pub gemm_efficiency: f64,
     /// The fraction of the memory bandwidth a large element-wise kernel reaches.
     pub memory_efficiency: f64,
+    /// Measured GEMM times by shape (this machine's profile, `sim::calibrate`); where a shape is
+    /// in it, its time replaces the peak, efficiency and quantization model. Empty for the GPUs.
+    #[serde(default)]
+    pub gemm_table: Vec<super::gemm::Timed>,
+    /// The attention is one fused kernel (flash attention; timed in the table): its s × s scores
+    /// are never written, so no element-wise traffic is charged for them. False for the GPU
+    /// profiles, as in the 2021 runs they are checked against.
+    #[serde(default)]
+    pub fused_attention: bool,
+    /// Measured seconds of the optimizer per parameter it updates (this machine's profile); 0: the
+    /// memory-bound model (every state read and written once at the memory bandwidth).
+    #[serde(default)]
+    pub optimizer_seconds_per_param: f64,
     /// Where the figures come from.
     pub source: String,
 }
@@ -101,6 +114,9 @@ pub fn profiles() -> Vec<Gpu> {
             inter: Link { alpha: IB_ALPHA, bytes_per_s: 25e9, efficiency: IB_EFFICIENCY },
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
+            gemm_table: Vec::new(),
+            fused_attention: false,
+            optimizer_seconds_per_param: 0.0,
             source: "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB: 312 TFLOP/s dense bf16, 2,039 GB/s, \
                      NVLink 600 GB/s; 108 SMs, the A100 architecture whitepaper); DGX A100 data sheet (8× 200 Gb/s HDR HCAs), the cluster of \
                      Narayanan et al. 2021 §5"
@@ -120,6 +136,9 @@ pub fn profiles() -> Vec<Gpu> {
             inter: Link { alpha: IB_ALPHA, bytes_per_s: 50e9, efficiency: IB_EFFICIENCY },
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
+            gemm_table: Vec::new(),
+            fused_attention: false,
+            optimizer_seconds_per_param: 0.0,
             source: "NVIDIA H100 Tensor Core GPU data sheet (SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s, NVLink \
                      900 GB/s; 132 SMs, the H100 architecture whitepaper); DGX H100 data sheet (8× 400 Gb/s ConnectX-7)"
                 .into(),
@@ -136,6 +155,9 @@ pub fn profiles() -> Vec<Gpu> {
             inter: Link { alpha: IB_ALPHA, bytes_per_s: 50e9, efficiency: IB_EFFICIENCY },
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
+            gemm_table: Vec::new(),
+            fused_attention: false,
+            optimizer_seconds_per_param: 0.0,
             source: "NVIDIA H200 Tensor Core GPU data sheet (SXM: 989 TFLOP/s dense bf16, 141 GB, 4.8 TB/s, \
                      NVLink 900 GB/s; the H100's 132 SMs); DGX H200 (8× 400 Gb/s ConnectX-7)"
                 .into(),

@@ -7,6 +7,7 @@
 //!     --dp 8 --tp 8 --pp 16 --global-batch-size 1536 --recompute full
 //! ```
 //!
+//! * [`calibrate`] — this machine as a profile: its kernels timed, its transport fitted to α-β;
 //! * [`hardware`] — GPU and network profiles (A100, H100, H200), each figure with its source;
 //! * [`collective`] — a collective's time on a group placed on nodes (ring, tree, the NIC bound);
 //! * [`model`] — a GPT's parameters, FLOPs, GEMM shapes and element-wise traffic per layer;
@@ -15,6 +16,7 @@
 //! * [`search`] — every layout that fits, ranked by tokens/s;
 //! * [`validate`] — the published runs the simulator is checked against.
 
+pub mod calibrate;
 pub mod collective;
 pub mod gemm;
 pub mod hardware;

@@ -198,6 +198,7 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     let fwd = |g: &[Gemm]| g.iter().map(|g| g.time(gpu, l.precision)).sum::<f64>();
     let bwd = |g: &[Gemm]| g.iter().flat_map(Gemm::backward).map(|g| g.time(gpu, l.precision)).sum::<f64>();
     let (ew, ew_attn) = model.elementwise_bytes(b, t, l.sequence_parallel);
+    let ew_attn = if gpu.fused_attention { 0.0 } else { ew_attn };
     let (ew, ew_attn) = (ew * act / 2.0, ew_attn * act / 2.0);
     let layer_f = fwd(&dense) + fwd(&attn) + memory_time(gpu, ew + ew_attn);
     let layer_b = bwd(&dense) + bwd(&attn) + 2.0 * memory_time(gpu, ew + ew_attn);
@@ -318,7 +319,11 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     // moments and the 16-bit weights (fp32 training: no separate master).
     let optim_bytes = if l.precision == Precision::Fp32 { 28.0 } else { 26.0 + grad };
     let held = if l.zero >= 1 { local / dp as f64 } else { local };
-    split.optimizer = memory_time(gpu, held * optim_bytes);
+    split.optimizer = if gpu.optimizer_seconds_per_param > 0.0 {
+        held * gpu.optimizer_seconds_per_param
+    } else {
+        memory_time(gpu, held * optim_bytes)
+    };
     let step_s = makespan + split.dp_exposed + split.optimizer;
 
     // Memory of the first pipeline rank: model states, and the activations of the chunks its

@@ -16,6 +16,7 @@
 //! cargo run --release --bin plan -- --simulate --gpu h100-80gb --n-layer 80 --n-embd 8192 --n-head 64 --ffn 28672 --block-size 4096 --gpus 1024 --tp 8 --pp 4 --global-batch-size 1024 --sequence-parallel --recompute selective
 //! cargo run --release --bin plan -- --search --gpu h100-80gb --n-layer 80 --n-embd 8192 --n-head 64 --ffn 28672 --block-size 4096 --gpus 1024 --global-batch-size 1024
 //! cargo run --release --bin plan -- --validate
+//! cargo run --release --bin plan -- --validate --gpu this-machine
 //! ```
 //!
 //! Accounting: the ZeRO paper's (16-bit weights and gradients, K = 12 bytes of Adam state per
@@ -29,6 +30,7 @@ use shardlab::memory::{
 use shardlab::pipeline::Schedule;
 
 mod simulate;
+mod this_machine;
 
 #[derive(Parser, Debug)]
 #[command(about = "Per-device memory for DDP and ZeRO-1/2/3 (ZeRO paper accounting); with --simulate, \
@@ -89,6 +91,7 @@ fn gb(b: f64) -> String {
 }
 
 fn main() -> anyhow::Result<()> {
+    shardlab::job::run_one_if_asked();
     let mut a = Args::parse();
     if a.sim.wanted() {
         let shared = simulate::Shared {

@@ -25,9 +25,14 @@ pub struct SimArgs {
     #[arg(long)]
     validate: bool,
     /// The GPU: a100-80gb, h100-80gb or h200 (figures and sources: `shardlab::sim::hardware`;
-    /// default h100-80gb, and a100-80gb for --validate, the published runs' GPU).
+    /// default h100-80gb, and a100-80gb for --validate, the published runs' GPU). With
+    /// --validate, `this-machine`: this machine's kernels and transport measured, then the
+    /// simulator checked against `train` here (`sim::calibrate`).
     #[arg(long)]
     gpu: Option<String>,
+    /// With --validate --gpu this-machine: `train` runs per layout (their median is the measurement).
+    #[arg(long)]
+    repeats: Option<usize>,
     /// GPUs in all (default: dp × tp × pp).
     #[arg(long)]
     gpus: Option<usize>,
@@ -106,11 +111,15 @@ pub fn main(a: &SimArgs, s: &Shared) -> anyhow::Result<()> {
         !s.layout_flags.contains(&"--checkpointing"),
         "--checkpointing is the memory planner's; the simulator takes --recompute full"
     );
-    let default_gpu = if a.validate { "a100-80gb" } else { "h100-80gb" };
-    let mut gpu = profile(a.gpu.as_deref().unwrap_or(default_gpu)).map_err(anyhow::Error::msg)?;
-    if let Some(g) = a.gpus_per_node {
-        gpu.gpus_per_node = g;
-    }
+    let here = a.gpu.as_deref().is_some_and(|g| g.eq_ignore_ascii_case("this-machine"));
+    anyhow::ensure!(
+        a.repeats.is_none() || (a.validate && here),
+        "--repeats is for --validate --gpu this-machine (the `train` runs per layout)"
+    );
+    anyhow::ensure!(
+        !here || a.validate,
+        "--gpu this-machine is measured for the model --validate trains here: run plan --validate --gpu this-machine"
+    );
     // What a mode decides itself must not be given: it would be ignored.
     let mut chosen: Vec<&str> = s.layout_flags.clone();
     for (flag, given) in [
@@ -140,6 +149,17 @@ pub fn main(a: &SimArgs, s: &Shared) -> anyhow::Result<()> {
             !model_flags.contains(&true) && a.gpus.is_none() && a.global_batch_size.is_none(),
             "--validate simulates the published runs' models and clusters: it takes no model, --gpus or batch"
         );
+        if here {
+            anyhow::ensure!(a.gpus_per_node.is_none(), "--gpu this-machine runs two ranks here: drop --gpus-per-node");
+            return super::this_machine::validate(a.repeats.unwrap_or(3), s.json);
+        }
+    }
+    let default_gpu = if a.validate { "a100-80gb" } else { "h100-80gb" };
+    let mut gpu = profile(a.gpu.as_deref().unwrap_or(default_gpu)).map_err(anyhow::Error::msg)?;
+    if let Some(g) = a.gpus_per_node {
+        gpu.gpus_per_node = g;
+    }
+    if a.validate {
         return validate_all(&gpu, s.json);
     }
     let model = match (a.n_layer, a.n_embd, a.n_head) {

@@ -1,0 +1,230 @@
+//! This machine as a simulator profile (lesson 15): its kernels timed one by one, its transport
+//! fitted to α + B/β, so that the simulator's step can be checked against `train` here.
+//!
+//! ```text
+//! cargo run --release --bin plan -- --validate --gpu this-machine
+//! ```
+//!
+//! What is measured, in fp32 on one intra-op thread per rank (how `train` runs ranks that share
+//! this machine's cores):
+//!
+//! * every GEMM shape the simulated step asks for ([`shapes`]): the median time of `matmul`
+//!   (batched: `bmm`) on tensors of that shape — the measured table [`Gpu::gemm_table`] that
+//!   takes the place of the GPU's peak and its tile and wave quantization;
+//! * the attention: libtorch's fused `scaled_dot_product_attention` (what `Gpt::block` calls; on a
+//!   CPU a flash-attention kernel that never writes the s × s scores), forward and backward, its
+//!   time shared out over the attention's GEMM shapes by their FLOPs;
+//! * the element-wise kernels: a block's two LayerNorms, the GeLU and the two residual adds,
+//!   forward and backward, timed together; their bytes as the simulator counts them
+//!   (`Model::elementwise_bytes`, in fp32) over that time is the profile's memory bandwidth;
+//! * the transport: all-reduces of 64 KiB to 16 MiB between process ranks over shared memory (the
+//!   data path `train` takes here), timed as nccl-tests does (`bench::measure_with`), and a least
+//!   squares fit of t = 2(n − 1)·α + 2(n − 1)/n · B / β, the ring all-reduce's α-β cost.
+//!
+//! Nothing is fitted to a training step: the steps `train` takes here are what the profile is
+//! checked against.
+
+use super::gemm::{Gemm, Timed};
+use super::hardware::{Gpu, Link};
+use super::model::Model;
+use super::step::Layout;
+use tch::{Device, Kind, Tensor};
+
+/// The median of `reps` timings of `f` after one untimed call.
+pub fn median_seconds(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..reps.max(1))
+        .map(|_| {
+            let t0 = std::time::Instant::now();
+            f();
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+fn randn(shape: &[i64]) -> Tensor {
+    Tensor::randn(shape, (Kind::Float, Device::Cpu))
+}
+
+/// Seconds of one `(batch × m × k) · (batch × k × n)` product in fp32.
+pub fn time_gemm(g: &Gemm, reps: usize) -> f64 {
+    let (b, m, k, n) = (g.batch as i64, g.m as i64, g.k as i64, g.n as i64);
+    if b == 1 {
+        let (x, w) = (randn(&[m, k]), randn(&[k, n]));
+        median_seconds(reps, || drop(x.matmul(&w)))
+    } else {
+        let (x, w) = (randn(&[b, m, k]), randn(&[b, k, n]));
+        median_seconds(reps, || drop(x.bmm(&w)))
+    }
+}
+
+/// Seconds of the fused causal attention's forward, and of its backward, for `batch` sequences of
+/// `heads` heads, `seq` tokens and head size `d`.
+pub fn time_attention(batch: usize, heads: usize, seq: usize, d: usize, reps: usize) -> (f64, f64) {
+    let shape = [batch as i64, heads as i64, seq as i64, d as i64];
+    let qkv: Vec<Tensor> = (0..3).map(|_| randn(&shape).set_requires_grad(true)).collect();
+    let grad_out = randn(&shape);
+    let sdpa =
+        || Tensor::scaled_dot_product_attention::<Tensor>(&qkv[0], &qkv[1], &qkv[2], None, 0.0, true, None, false);
+    let forward = median_seconds(reps, || drop(tch::no_grad(sdpa)));
+    // Forward and backward together, less the forward; the backward gets the output's gradient
+    // through a product with a constant (one element-wise pass over the output, small beside the
+    // attention's s² work).
+    let both = median_seconds(reps, || {
+        let y = sdpa();
+        drop(Tensor::run_backward(&[(&y * &grad_out).sum(Kind::Float)], &qkv, false, false));
+    });
+    (forward, (both - forward).max(0.0))
+}
+
+/// Seconds of one block's element-wise kernels for `rows` tokens of width `h`, with an MLP of
+/// width `f` on this rank: two LayerNorms, the GeLU and two residual adds, forward and backward.
+pub fn time_elementwise(rows: usize, h: usize, f: usize, reps: usize) -> f64 {
+    let (r, h, f) = (rows as i64, h as i64, f as i64);
+    let x = randn(&[r, h]).set_requires_grad(true);
+    let u = randn(&[r, f]).set_requires_grad(true);
+    let (w, b) = (Tensor::ones([h], (Kind::Float, Device::Cpu)), Tensor::zeros([h], (Kind::Float, Device::Cpu)));
+    let (gh, gf) = (randn(&[r, h]), randn(&[r, f]));
+    median_seconds(reps, || {
+        let a = x.layer_norm([h], Some(&w), Some(&b), 1e-5, false);
+        let y = &x + &a;
+        let c = y.layer_norm([h], Some(&w), Some(&b), 1e-5, false);
+        let z = &y + &c;
+        let g = u.gelu("none");
+        let loss = (&z * &gh).sum(Kind::Float) + (&g * &gf).sum(Kind::Float);
+        drop(Tensor::run_backward(&[loss], &[&x, &u], false, false));
+    })
+}
+
+/// The GEMM shapes the simulated step of `model` under `layout` asks for: each layer's forward
+/// GEMMs and their backward, and the output layer's.
+pub fn shapes(model: &Model, layout: &Layout) -> (Vec<Gemm>, Vec<Gemm>) {
+    let (dense, attn) = model.layer_gemms(layout.micro_batch, layout.tp);
+    let mut d: Vec<Gemm> = dense.to_vec();
+    d.push(model.logits_gemm(layout.micro_batch, layout.tp));
+    let with_backward = |g: Vec<Gemm>| g.iter().flat_map(|g| [*g, g.backward()[0], g.backward()[1]]).collect();
+    (with_backward(d), with_backward(attn.to_vec()))
+}
+
+/// What this machine's kernels measured for a model (every figure per rank, one thread).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Kernels {
+    /// Every GEMM shape the layouts ask for, the attention's shapes sharing its fused kernel's time.
+    pub gemms: Vec<Timed>,
+    /// The element-wise kernels' bytes as the simulator counts them over their measured time: a
+    /// block's LayerNorms, GeLU and residual adds, and the loss's softmax over the vocabulary.
+    pub elementwise_bytes_per_s: f64,
+    /// The course's AdamW (`optim::AdamW`) per parameter.
+    pub optimizer_seconds_per_param: f64,
+}
+
+/// Seconds per parameter of one step of the course's AdamW on 4 Mi parameters.
+pub fn time_optimizer(reps: usize) -> f64 {
+    use crate::optim::{AdamW, AdamWConfig, Decay, Optimizer};
+    let shape = [4096i64, 1024];
+    let (p, g) = (randn(&shape), randn(&shape));
+    let mut opt = AdamW::new(AdamWConfig::default());
+    let decay = [Decay::for_shape(&shape)];
+    let (params, grads) = ([p], [g]);
+    median_seconds(reps, || opt.step(1e-4, &params, &grads, &decay).expect("one slot")) / (4096.0 * 1024.0)
+}
+
+/// Seconds of the loss over `rows` tokens and a vocabulary of `vocab`: log-softmax and the
+/// negative log-likelihood, forward and backward.
+pub fn time_loss(rows: usize, vocab: usize, reps: usize) -> f64 {
+    let logits = randn(&[rows as i64, vocab as i64]).set_requires_grad(true);
+    let target = Tensor::randint(vocab as i64, [rows as i64], (Kind::Int64, Device::Cpu));
+    median_seconds(reps, || {
+        let loss = logits.cross_entropy_for_logits(&target);
+        drop(Tensor::run_backward(&[loss], &[&logits], false, false));
+    })
+}
+
+/// Time this machine's kernels for `model` under every one of `layouts` (fp32, on the calling
+/// thread's libtorch threads: one, as each rank runs).
+pub fn measure_kernels(model: &Model, layouts: &[Layout]) -> Result<Kernels, String> {
+    if layouts.iter().any(|l| l.precision != crate::precision::Precision::Fp32) {
+        return Err("this machine's profile is measured in fp32: give --precision fp32".into());
+    }
+    const REPS: usize = 9;
+    let mut gemms: Vec<Timed> = Vec::new();
+    let (mut bytes, mut seconds) = (0.0, 0.0);
+    for l in layouts {
+        let (dense, attn) = shapes(model, l);
+        for g in dense {
+            if !gemms.iter().any(|t| t.gemm == g) {
+                gemms.push(Timed { gemm: g, seconds: time_gemm(&g, REPS) });
+            }
+        }
+        // The attention's six GEMMs (two forward, four backward) share its measured times.
+        if !gemms.iter().any(|t| t.gemm == attn[0]) {
+            let (b, heads, d) = (l.micro_batch, model.heads / l.tp, model.hidden / model.heads);
+            let (fwd, bwd) = time_attention(b, heads, model.seq, d, REPS);
+            for (i, g) in attn.iter().enumerate() {
+                let share = if i % 3 == 0 { fwd / 2.0 } else { bwd / 4.0 };
+                gemms.push(Timed { gemm: *g, seconds: share });
+            }
+        }
+        // The simulator charges a forward's bytes once forward and twice backward, in fp32 twice
+        // its 16-bit count; the loss's 12 bytes a logit likewise (`sim::step`).
+        let rows = l.micro_batch * model.seq;
+        let (ew, _) = model.elementwise_bytes(l.micro_batch as f64, l.tp as f64, false);
+        bytes += 3.0 * 2.0 * ew * model.layers as f64 + 2.0 * 12.0 * (rows * model.vocab / l.tp) as f64;
+        seconds += model.layers as f64 * time_elementwise(rows, model.hidden, model.ffn / l.tp, REPS)
+            + time_loss(rows, model.vocab / l.tp, REPS);
+    }
+    Ok(Kernels { gemms, elementwise_bytes_per_s: bytes / seconds, optimizer_seconds_per_param: time_optimizer(5) })
+}
+
+/// Fit a ring all-reduce's α (seconds per step) and bus bandwidth β (bytes/s) on `n` ranks to
+/// measured (bytes, seconds) points: t = a + c·B by least squares of the relative error (sizes
+/// span orders of magnitude), then α = a / (2(n − 1)) and β = 2(n − 1)/n / c.
+pub fn fit_all_reduce(points: &[(f64, f64)], n: usize) -> Result<(f64, f64), String> {
+    if points.len() < 2 || n < 2 || points.iter().any(|p| !(p.0 > 0.0 && p.1 > 0.0)) {
+        return Err(format!("an α-β fit needs two sizes or more, positive times, two ranks or more: {points:?}"));
+    }
+    // Weights 1/t²: the normal equations of Σ((a + c·B − t)/t)².
+    let (mut sw, mut swb, mut swbb, mut swt, mut swbt) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(b, t) in points {
+        let w = 1.0 / (t * t);
+        (sw, swb, swbb, swt, swbt) = (sw + w, swb + w * b, swbb + w * b * b, swt + w * t, swbt + w * b * t);
+    }
+    let det = sw * swbb - swb * swb;
+    let c = (sw * swbt - swb * swt) / det;
+    let a = (swt - c * swb) / sw;
+    if !(det > 0.0 && c > 0.0) {
+        return Err(format!("the all-reduce times do not grow with the size: {points:?}"));
+    }
+    let steps = 2.0 * (n as f64 - 1.0);
+    Ok((a.max(0.0) / steps, steps / n as f64 / c))
+}
+
+/// This machine as a [`Gpu`]: `ranks` ranks a "node" (one per core), each with `memory_bytes`,
+/// its kernels as `k` measured them, and the transport's fitted α and β.
+pub fn this_machine(k: &Kernels, ranks: usize, memory_bytes: f64, (alpha, beta): (f64, f64)) -> Result<Gpu, String> {
+    let best = k.gemms.iter().map(|t| t.gemm.flops() / t.seconds).fold(0.0, f64::max);
+    let link = Link { alpha, bytes_per_s: beta, efficiency: 1.0 };
+    let gpu = Gpu {
+        name: "this-machine".into(),
+        peak_flops_16: best,
+        peak_flops_32: best,
+        memory_bytes,
+        memory_bytes_per_s: k.elementwise_bytes_per_s,
+        sms: 1,
+        gpus_per_node: ranks,
+        intra: link,
+        inter: link,
+        gemm_efficiency: 1.0,
+        memory_efficiency: 1.0,
+        gemm_table: k.gemms.clone(),
+        fused_attention: true,
+        optimizer_seconds_per_param: k.optimizer_seconds_per_param,
+        source: "measured here (`sim::calibrate`): GEMMs, the fused attention, the element-wise kernels and \
+                 AdamW timed one by one in fp32 on one thread; all-reduces between process ranks fitted to α-β"
+            .into(),
+    };
+    gpu.check()?;
+    Ok(gpu)
+}
