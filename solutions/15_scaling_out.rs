@@ -1,0 +1,106 @@
+//! Lesson 15 — reference answers (same signatures as `lessons/15_scaling_out/exercise.rs`).
+#![allow(unused_variables, unused_imports, unused_mut)]
+
+/// Exercise 1 — your own α and β. `points` are measured (bytes, seconds) of a ring all-reduce on
+/// `ranks` ranks, whose time the α-β model gives as 2(n − 1)·α + 2(n − 1)/n · bytes/β. Return
+/// (α in seconds, β in bytes per second), fitted by least squares of the relative error. An Err
+/// for fewer than two points, fewer than two ranks, a size or time that is not positive, or
+/// times that do not grow with the size.
+pub fn fit_alpha_beta(points: &[(f64, f64)], ranks: usize) -> Result<(f64, f64), String> {
+    if points.len() < 2 || ranks < 2 {
+        return Err(format!(
+            "a fit needs two points or more on two ranks or more: {} points, {ranks} ranks",
+            points.len()
+        ));
+    }
+    if let Some(p) = points.iter().find(|p| !(p.0 > 0.0 && p.1 > 0.0)) {
+        return Err(format!("sizes and times must be positive: {p:?}"));
+    }
+    // t = a + c·B, minimising Σ ((a + c·B − t) / t)²: weighted least squares, weights 1/t².
+    let (mut sw, mut swb, mut swbb, mut swt, mut swbt) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(b, t) in points {
+        let w = 1.0 / (t * t);
+        sw += w;
+        swb += w * b;
+        swbb += w * b * b;
+        swt += w * t;
+        swbt += w * b * t;
+    }
+    let det = sw * swbb - swb * swb;
+    if det <= 0.0 {
+        return Err("the points need two different sizes".into());
+    }
+    let c = (sw * swbt - swb * swt) / det;
+    if c <= 0.0 {
+        return Err(format!("the times do not grow with the size: {points:?}"));
+    }
+    let a = ((swt - c * swb) / sw).max(0.0);
+    let n = ranks as f64;
+    let steps = 2.0 * (n - 1.0);
+    Ok((a / steps, steps / n / c))
+}
+
+/// A kind of link: a message of B bytes takes `alpha + B / bytes_per_s` seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    pub alpha: f64,
+    pub bytes_per_s: f64,
+}
+
+/// Exercise 2 — a ring all-reduce of `bytes` over `gpus` GPUs, `per_node` of them in each node
+/// (the group fills ⌈gpus / per_node⌉ nodes), GPUs inside a node joined by `nvlink`, nodes by one
+/// NIC per GPU (`nic`). Seconds.
+pub fn all_reduce_seconds(bytes: f64, gpus: usize, per_node: usize, nvlink: Link, nic: Link) -> f64 {
+    if gpus <= 1 {
+        return 0.0;
+    }
+    let n = gpus as f64;
+    let per_node = per_node.clamp(1, gpus);
+    let (alpha, bus) = if gpus <= per_node {
+        (nvlink.alpha, nvlink.bytes_per_s)
+    } else {
+        // Each node's k GPUs drive k NICs at once; the ring's steps inside a node still run on NVLink.
+        (nic.alpha, nvlink.bytes_per_s.min(per_node as f64 * nic.bytes_per_s))
+    };
+    2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * bytes / bus
+}
+
+/// One operation of a pipeline rank: the forward or backward of one of its model chunks for one
+/// micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub forward: bool,
+    pub chunk: usize,
+    pub micro_batch: usize,
+}
+
+/// Exercise 3 — rank `rank`'s order under the interleaved 1F1B schedule: `stages` pipeline ranks,
+/// each holding `chunks` model chunks, `micro_batches` micro-batches a step. With one chunk, lesson
+/// 13's plain 1F1B. An Err for a rank that is not one of the stages, no chunks, or (with more
+/// than one chunk) micro-batches that are not a multiple of the stages.
+pub fn interleaved_order(stages: usize, chunks: usize, micro_batches: usize, rank: usize) -> Result<Vec<Step>, String> {
+    let (p, v, m) = (stages, chunks, micro_batches);
+    if p == 0 || rank >= p || v == 0 || m == 0 {
+        return Err(format!("rank {rank} of {p} stages with {v} chunks and {m} micro-batches"));
+    }
+    if v > 1 && m % p != 0 {
+        return Err(format!("{m} micro-batches are not a multiple of the {p} stages"));
+    }
+    // The k-th forward (backward): micro-batches in groups of p, each group through the chunks in
+    // turn (backwards through them in reverse).
+    let step = |k: usize, forward: bool| {
+        let chunk = if v == 1 { 0 } else { (k % (p * v)) / p };
+        let chunk = if forward { chunk } else { v - 1 - chunk };
+        let micro_batch = if v == 1 { k } else { (k / (p * v)) * p + k % p };
+        Step { forward, chunk, micro_batch }
+    };
+    let total = m * v;
+    let warmup = if v == 1 { p - rank - 1 } else { (p - rank - 1) * 2 + (v - 1) * p }.min(total);
+    let mut order: Vec<Step> = (0..warmup).map(|k| step(k, true)).collect();
+    for k in 0..total - warmup {
+        order.push(step(warmup + k, true));
+        order.push(step(k, false));
+    }
+    order.extend((total - warmup..total).map(|k| step(k, false)));
+    Ok(order)
+}
