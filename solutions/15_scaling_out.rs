@@ -3,9 +3,9 @@
 
 /// Exercise 1 — your own α and β. `points` are measured (bytes, seconds) of a ring all-reduce on
 /// `ranks` ranks, whose time the α-β model gives as 2(n − 1)·α + 2(n − 1)/n · bytes/β. Return
-/// (α in seconds, β in bytes per second), fitted by least squares of the relative error. An Err
-/// for fewer than two points, fewer than two ranks, a size or time that is not positive, or
-/// times that do not grow with the size.
+/// (α in seconds, β in bytes per second), fitted by least squares of the relative error over
+/// every point; a negative fitted latency is 0. An Err for fewer than two points, fewer than two
+/// ranks, a size or time that is not positive, or a fitted slope of 0 or less.
 pub fn fit_alpha_beta(points: &[(f64, f64)], ranks: usize) -> Result<(f64, f64), String> {
     if points.len() < 2 || ranks < 2 {
         return Err(format!(
@@ -47,9 +47,9 @@ pub struct Link {
     pub bytes_per_s: f64,
 }
 
-/// Exercise 2 — a ring all-reduce of `bytes` over `gpus` GPUs, `per_node` of them in each node
-/// (the group fills ⌈gpus / per_node⌉ nodes), GPUs inside a node joined by `nvlink`, nodes by one
-/// NIC per GPU (`nic`). Seconds.
+/// Exercise 2 — a ring all-reduce of `bytes` over `gpus` GPUs placed `per_node` to a node (the
+/// group fills ⌈gpus / per_node⌉ nodes; `gpus` is at most `per_node`, one node, or a multiple of
+/// it), GPUs inside a node joined by `nvlink`, nodes by one NIC per GPU (`nic`). Seconds.
 pub fn all_reduce_seconds(bytes: f64, gpus: usize, per_node: usize, nvlink: Link, nic: Link) -> f64 {
     if gpus <= 1 {
         return 0.0;
@@ -76,8 +76,9 @@ pub struct Step {
 
 /// Exercise 3 — rank `rank`'s order under the interleaved 1F1B schedule: `stages` pipeline ranks,
 /// each holding `chunks` model chunks, `micro_batches` micro-batches a step. With one chunk, lesson
-/// 13's plain 1F1B. An Err for a rank that is not one of the stages, no chunks, or (with more
-/// than one chunk) micro-batches that are not a multiple of the stages.
+/// 13's plain 1F1B. An Err for a rank that is not one of the stages, no chunks, no
+/// micro-batches, or (with more than one chunk) micro-batches that are not a multiple of the
+/// stages.
 pub fn interleaved_order(stages: usize, chunks: usize, micro_batches: usize, rank: usize) -> Result<Vec<Step>, String> {
     let (p, v, m) = (stages, chunks, micro_batches);
     if p == 0 || rank >= p || v == 0 || m == 0 {

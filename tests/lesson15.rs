@@ -33,7 +33,7 @@ shardlab::graders! {
         shardlab::grading::refuse_twins(GRADER, 1, TWINS);
         let sizes = [1024.0, 16384.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0];
         // A made-up link, α 20 µs and β 10 GB/s, on 2 ranks: 2·α + B/β exactly, recovered exactly.
-        let (a, b) = fit_alpha_beta(&points(20e-6, 10e9, 2, &sizes, &[1.0]), 2).expect("five good points");
+        let (a, b) = fit_alpha_beta(&points(20e-6, 10e9, 2, &sizes, &[1.0]), 2).expect("seven good points");
         assert!(near(a, 20e-6, 1e-6) && near(b, 10e9, 1e-6), "points made with α = 20 µs, β = 10 GB/s on 2 ranks gave α = {a:e} s, β = {b:e} B/s");
         // 4 ranks, α 5 µs, β 20 GB/s: the ring takes 2·3 = 6 steps of α and moves 2·3/4 of B.
         let (a, b) = fit_alpha_beta(&points(5e-6, 20e9, 4, &sizes, &[1.0]), 4).expect("good points");
@@ -46,22 +46,29 @@ shardlab::graders! {
         // α (2.9 µs here); weighing each point's relative error gives 10.03 µs.
         let noisy = points(10e-6, 10e9, 2, &sizes, &[1.03, 0.97]);
         let (a, b) = fit_alpha_beta(&noisy, 2).expect("noisy points");
+        // Weights of 1/t (or 1/B) land 2–5% off; a line through two of the points, 3%.
         assert!(
-            near(a, 10e-6, 0.1) && near(b, 10e9, 0.05),
-            "points of α = 10 µs, β = 10 GB/s disturbed by ±3% gave α = {a:e} s, β = {b:e} B/s: fit the relative error, or the largest message decides the intercept"
+            near(a, 10e-6, 0.015) && near(b, 10e9, 0.01),
+            "points of α = 10 µs, β = 10 GB/s disturbed by ±3% gave α = {a:e} s, β = {b:e} B/s: least squares of the relative error over every point — what weight on (a + c·B − t)² makes it ((a + c·B − t)/t)²?"
         );
         // Only the largest 5% slow: the same.
         let slow = points(10e-6, 10e9, 2, &sizes, &[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.05]);
         let (a, _) = fit_alpha_beta(&slow, 2).expect("points");
-        assert!(near(a, 10e-6, 0.1), "the largest point 5% slow moved α to {a:e} s (made with 10 µs): weigh relative errors");
+        assert!(near(a, 10e-6, 0.02), "the largest point 5% slow moved α to {a:e} s (made with 10 µs): weigh each point's relative error");
         assert!(fit_alpha_beta(&noisy[..1], 2).is_err(), "one point cannot give two unknowns: an Err");
         assert!(fit_alpha_beta(&noisy, 1).is_err(), "one rank has no all-reduce to fit: an Err");
         assert!(fit_alpha_beta(&[(1e6, 1e-3), (2e6, 0.5e-3)], 2).is_err(), "times that fall as the size grows: an Err, not a negative β");
         assert!(fit_alpha_beta(&[(1e6, 1e-3), (0.0, 1e-5)], 2).is_err(), "a size of 0 bytes: an Err");
         assert!(fit_alpha_beta(&[(1e6, 1e-3), (2e6, -1.0)], 2).is_err(), "a negative time: an Err");
 
-        // Now yours, measured: all-reduces of 256 KiB to 4 MiB between two ranks here (threads of
-        // this process), fitted by your function; each prediction next to its measurement.
+        // A negative intercept (noisy or convex points) is a latency too small to resolve: 0.
+        let (a, _) = fit_alpha_beta(&[(1e5, 20e-6), (2e5, 40e-6), (4e5, 80e-6), (8e5, 200e-6), (1.6e6, 500e-6)], 2).expect("points that grow");
+        assert_eq!(a, 0.0, "these points' line crosses zero below 0 s: α is then 0, not negative");
+
+        // Now yours, on this machine: all-reduces of 256 KiB to 4 MiB between two ranks here
+        // (threads of this process), fitted by your function, each prediction printed next to its
+        // measurement (`cargo test --test lesson15 exercise::ex1 -- --nocapture` shows them).
+        // Timings on a shared machine jump, so only the fit's sanity is graded here.
         use shardlab::bench::{measure_with, Iters, Method, Timing};
         use shardlab::comm::{Algo, Backend, OpKind};
         let sizes: [u64; 5] = [256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20];
@@ -72,14 +79,11 @@ shardlab::graders! {
         .expect("two thread ranks");
         let here: Vec<(f64, f64)> = sizes.iter().zip(&measured[0]).map(|(b, t)| (*b as f64, *t)).collect();
         let (a, b) = fit_alpha_beta(&here, 2).unwrap_or_else(|e| panic!("your fit refused this machine's points {here:?}: {e}"));
-        assert!(a.is_finite() && a >= 0.0 && b.is_finite() && b > 0.0, "this machine: α = {a:e} s, β = {b:e} B/s");
+        assert!(a.is_finite() && a >= 0.0 && b.is_finite() && b > 0.0, "this machine's points gave α = {a:e} s, β = {b:e} B/s: α must be a latency of 0 s or more and β a positive bandwidth");
         println!("this machine, two thread ranks, ring all-reduce: your α {:.1} µs, β {:.2} GB/s", a * 1e6, b / 1e9);
         for (bytes, t) in &here {
             let model = 2.0 * a + bytes / b;
             println!("  {:>8} B: measured {:>8.1} µs, your model {:>8.1} µs", bytes, t * 1e6, model * 1e6);
-            // Loose on purpose: a shared machine's timings jump; a fit in the wrong units or with α
-            // and β swapped misses by orders of magnitude.
-            assert!(model / t < 3.0 && t / model < 3.0, "your fit of this machine predicts {:.1} µs for {bytes} B, measured {:.1} µs: not within a factor of 3 of the point it was fitted to", model * 1e6, t * 1e6);
         }
     }
 
@@ -112,6 +116,19 @@ shardlab::graders! {
         assert_eq!(all_reduce_seconds(gb, 1, 8, nvlink, nic), 0.0, "one GPU has nothing to all-reduce");
     }
 
+    /// An order as `F0.0 B1.0 …` (F/B, chunk.micro-batch), for messages.
+    fn show(o: &[Step]) -> String {
+        o.iter().map(|s| format!("{}{}.{}", if s.forward { "F" } else { "B" }, s.chunk, s.micro_batch)).collect::<Vec<_>>().join(" ")
+    }
+
+    fn same_order(got: Result<Vec<Step>, String>, want: Vec<Step>, what: &str) {
+        let got = got.unwrap_or_else(|e| panic!("{what}: an Err ({e}) for a valid schedule"));
+        if got != want {
+            let at = got.iter().zip(&want).position(|(g, w)| g != w).unwrap_or(got.len().min(want.len()));
+            panic!("{what}: first differs at operation {at}\n  yours:    {}\n  expected: {}", show(&got), show(&want));
+        }
+    }
+
     fn f(chunk: usize, micro_batch: usize) -> Step {
         Step { forward: true, chunk, micro_batch }
     }
@@ -127,30 +144,44 @@ shardlab::graders! {
         // chunk 0 then chunk 1: (0,0) (0,1) (1,0) (1,1) (0,2) (0,3) (1,2) (1,3); backwards the same
         // groups through chunk 1 then chunk 0.
         // Rank 0 warms up with (p − 0 − 1)·2 + (v − 1)·p = 4 forwards.
-        assert_eq!(
-            interleaved_order(2, 2, 4, 0).expect("p 2, v 2, m 4"),
+        same_order(
+            interleaved_order(2, 2, 4, 0),
             vec![f(0, 0), f(0, 1), f(1, 0), f(1, 1), f(0, 2), b(1, 0), f(0, 3), b(1, 1), f(1, 2), b(0, 0), f(1, 3), b(0, 1),
                  b(1, 2), b(1, 3), b(0, 2), b(0, 3)],
-            "rank 0 of 2 with 2 chunks and 4 micro-batches"
+            "rank 0 of 2 with 2 chunks and 4 micro-batches",
         );
         // Rank 1: (2 − 1 − 1)·2 + 1·2 = 2 warm-up forwards.
-        assert_eq!(
-            interleaved_order(2, 2, 4, 1).expect("p 2, v 2, m 4"),
+        same_order(
+            interleaved_order(2, 2, 4, 1),
             vec![f(0, 0), f(0, 1), f(1, 0), b(1, 0), f(1, 1), b(1, 1), f(0, 2), b(0, 0), f(0, 3), b(0, 1), f(1, 2), b(1, 2),
                  f(1, 3), b(1, 3), b(0, 2), b(0, 3)],
-            "rank 1 of 2 with 2 chunks and 4 micro-batches"
+            "rank 1 of 2 with 2 chunks and 4 micro-batches",
+        );
+        // p = 4, v = 3, m = 4, rank 2: (4 − 2 − 1)·2 + 2·4 = 10 warm-up forwards of 12; one group
+        // of 4 micro-batches through chunks 0, 1, 2 forward, then 2, 1, 0 backward.
+        same_order(
+            interleaved_order(4, 3, 4, 2),
+            vec![f(0, 0), f(0, 1), f(0, 2), f(0, 3), f(1, 0), f(1, 1), f(1, 2), f(1, 3), f(2, 0), f(2, 1), f(2, 2), b(2, 0),
+                 f(2, 3), b(2, 1), b(2, 2), b(2, 3), b(1, 0), b(1, 1), b(1, 2), b(1, 3), b(0, 0), b(0, 1), b(0, 2), b(0, 3)],
+            "rank 2 of 4 with 3 chunks and 4 micro-batches",
         );
         // One chunk is lesson 13's 1F1B: rank 0 of 2 warms up with p − 0 − 1 = 1 forward.
-        assert_eq!(
-            interleaved_order(2, 1, 3, 0).expect("plain 1F1B"),
+        same_order(
+            interleaved_order(2, 1, 3, 0),
             vec![f(0, 0), f(0, 1), b(0, 0), f(0, 2), b(0, 1), b(0, 2)],
-            "one chunk: plain 1F1B (lesson 13), 1 warm-up forward on rank 0 of 2"
+            "one chunk: plain 1F1B (lesson 13), 1 warm-up forward on rank 0 of 2",
+        );
+        // Fewer micro-batches than stages, one chunk: rank 0 of 4 wants 3 warm-up forwards, has 2.
+        same_order(
+            interleaved_order(4, 1, 2, 0),
+            vec![f(0, 0), f(0, 1), b(0, 0), b(0, 1)],
+            "one chunk, 2 micro-batches on rank 0 of 4 (a warm-up of 3 capped at the 2 there are)",
         );
         // A warm-up longer than the work: p 4, v 2, m 4, rank 0 wants 3·2 + 4 = 10 forwards of 8:
         // all 8 forwards, then all 8 backwards.
         let all = interleaved_order(4, 2, 4, 0).expect("p 4, v 2, m 4");
         assert_eq!(all.len(), 16, "every chunk forward and backward once: 2 · 4 · 2");
-        assert!(all[..8].iter().all(|s| s.forward) && all[8..].iter().all(|s| !s.forward), "a warm-up of 10 caps at the 8 forwards there are: {all:?}");
+        assert!(all[..8].iter().all(|s| s.forward) && all[8..].iter().all(|s| !s.forward), "a warm-up of 10 caps at the 8 forwards there are: {}", show(&all));
         assert_eq!(all[4], f(1, 0), "p 4: micro-batches in groups of 4 through chunk 0, then chunk 1");
         // Every order is complete and causal: each (chunk, micro-batch) once each way, a backward
         // after its forward.
@@ -162,7 +193,7 @@ shardlab::graders! {
                     for i in 0..m {
                         let fw = o.iter().position(|s| *s == f(c, i));
                         let bw = o.iter().position(|s| *s == b(c, i));
-                        assert!(matches!((fw, bw), (Some(x), Some(y)) if x < y), "p {p} v {v} m {m} rank {r}: chunk {c} micro-batch {i} needs its forward before its backward: {o:?}");
+                        assert!(matches!((fw, bw), (Some(x), Some(y)) if x < y), "p {p} v {v} m {m} rank {r}: chunk {c} micro-batch {i} needs a forward, then a backward, each once: {}", show(&o));
                     }
                 }
             }
@@ -170,5 +201,6 @@ shardlab::graders! {
         assert!(interleaved_order(2, 2, 3, 0).is_err(), "3 micro-batches on 2 stages cannot go in groups of 2: an Err");
         assert!(interleaved_order(2, 2, 4, 2).is_err(), "rank 2 of 2 stages: an Err");
         assert!(interleaved_order(2, 0, 4, 0).is_err(), "no chunks: an Err");
+        assert!(interleaved_order(2, 2, 0, 0).is_err(), "no micro-batches: an Err");
     }
 }

@@ -204,15 +204,19 @@ fn a_measured_table_replaces_the_gpus_peak_and_tiles() {
     gpu.gemm_table = vec![Timed { gemm: g, seconds: 4e-3 }];
     assert_eq!(g.time(&gpu, shardlab::precision::Precision::Fp32), 4e-3);
     assert_ne!(modelled, 4e-3);
-    // A shape the table lacks runs at the profile's peak, without GPU tiles: 2·m·k·n / peak.
-    let other = Gemm { batch: 1, m: 100, k: 100, n: 100 };
-    let t = other.time(&gpu, shardlab::precision::Precision::Fp32);
-    assert!((t - 2e6 / gpu.peak_flops_32).abs() < 1e-15, "{t}");
+    // A step whose shapes the table lacks is refused, not priced at some rate.
+    gpu.measured_precision = Some(shardlab::precision::Precision::Fp32);
+    let model = Model { layers: 2, hidden: 64, heads: 4, ffn: 256, seq: 32, vocab: 128 };
+    let mut l = Layout::new(1, 1, 1);
+    l.precision = shardlab::precision::Precision::Fp32;
+    let e = simulate_step(&model, &gpu, &l).unwrap_err();
+    assert!(e.contains("no time for the GEMM"), "{e}");
 }
 
 #[test]
 fn this_machines_kernels_are_timed_for_every_shape_the_step_asks_for() {
-    use shardlab::sim::calibrate::{measure_kernels, shapes, this_machine};
+    use shardlab::sim::calibrate::{measure_kernels, this_machine};
+    use shardlab::sim::step::dense_gemm_shapes;
     tch::set_num_threads(1);
     let model = Model { layers: 2, hidden: 64, heads: 4, ffn: 256, seq: 32, vocab: 128 };
     let mut layouts = vec![Layout::new(1, 1, 1), Layout::new(1, 2, 1)];
@@ -223,20 +227,34 @@ fn this_machines_kernels_are_timed_for_every_shape_the_step_asks_for() {
     }
     let k = measure_kernels(&model, &layouts).unwrap();
     for l in &layouts {
-        let (dense, attn) = shapes(&model, l);
-        for g in dense.iter().chain(&attn) {
-            let t = k.gemms.iter().find(|t| t.gemm == *g).unwrap_or_else(|| panic!("{g:?} not timed"));
+        for g in dense_gemm_shapes(&model, l) {
+            let t = k.gemms.iter().find(|t| t.gemm == g).unwrap_or_else(|| panic!("{g:?} not timed"));
             assert!(t.seconds > 0.0 && t.seconds < 1.0, "{t:?}");
         }
     }
+    // One attention kernel a layout: 2 sequences × 4 heads, then × 2 local heads under tp 2.
+    let keys: Vec<(usize, usize, usize)> = k.attention.iter().map(|a| (a.batch, a.seq, a.head_dim)).collect();
+    assert_eq!(keys, vec![(8, 32, 16), (4, 32, 16)]);
     // Rates a CPU core can have: between 10 MB/s and 1 TB/s; AdamW between 0.01 and 1000 ns.
     assert!(k.elementwise_bytes_per_s > 1e7 && k.elementwise_bytes_per_s < 1e12, "{k:?}");
     assert!(k.optimizer_seconds_per_param > 1e-11 && k.optimizer_seconds_per_param < 1e-6, "{k:?}");
-    let gpu = this_machine(&k, 2, 1e9, (10e-6, 5e9)).unwrap();
+    let mut gpu = this_machine(&k, 2, 1e9, (10e-6, 5e9)).unwrap();
     let p = simulate_step(&model, &gpu, &layouts[1]).unwrap();
     assert!(p.step_s > 0.0 && p.split.tp_comm > 0.0, "{p:?}");
-    // bf16 is refused: the table is fp32's.
+    // The attention's measured times are what the step charges: one more second forward and one
+    // backward on the one-rank layout's kernel add a second per layer to each pass.
+    let before = simulate_step(&model, &gpu, &layouts[0]).unwrap().split.compute;
+    let a = gpu.attention_table.iter_mut().find(|a| a.batch == 8).unwrap();
+    (a.forward, a.backward) = (a.forward + 1.0, a.backward + 1.0);
+    let after = simulate_step(&model, &gpu, &layouts[0]).unwrap().split.compute;
+    assert!((after - before - 2.0 * model.layers as f64).abs() < 1e-9, "{before} → {after}");
+    // bf16 is refused, measuring and simulating: the tables are fp32's.
     let mut bf16 = layouts[0];
     bf16.precision = shardlab::precision::Precision::Bf16;
     assert!(measure_kernels(&model, &[bf16]).unwrap_err().contains("fp32"));
+    assert!(simulate_step(&model, &gpu, &bf16).unwrap_err().contains("measured in"));
+    // A layout it was not measured for (micro-batch 4) is refused.
+    let mut other = layouts[0];
+    (other.micro_batch, other.global_batch) = (4, 4);
+    assert!(simulate_step(&model, &gpu, &other).unwrap_err().contains("no time for"));
 }

@@ -8,26 +8,29 @@
 //! What is measured, in fp32 on one intra-op thread per rank (how `train` runs ranks that share
 //! this machine's cores):
 //!
-//! * every GEMM shape the simulated step asks for ([`shapes`]): the median time of `matmul`
-//!   (batched: `bmm`) on tensors of that shape — the measured table [`Gpu::gemm_table`] that
-//!   takes the place of the GPU's peak and its tile and wave quantization;
+//! * every dense GEMM shape the simulated step asks for ([`dense_gemm_shapes`]): the median time
+//!   of `matmul` on tensors of that shape — the table [`Gpu::gemm_table`] that takes the place of
+//!   the GPU's peak and its tile and wave quantization;
 //! * the attention: libtorch's fused `scaled_dot_product_attention` (what `Gpt::block` calls; on a
-//!   CPU a flash-attention kernel that never writes the s × s scores), forward and backward, its
-//!   time shared out over the attention's GEMM shapes by their FLOPs;
-//! * the element-wise kernels: a block's two LayerNorms, the GeLU and the two residual adds,
-//!   forward and backward, timed together; their bytes as the simulator counts them
-//!   (`Model::elementwise_bytes`, in fp32) over that time is the profile's memory bandwidth;
-//! * the transport: all-reduces of 64 KiB to 16 MiB between process ranks over shared memory (the
-//!   data path `train` takes here), timed as nccl-tests does (`bench::measure_with`), and a least
-//!   squares fit of t = 2(n − 1)·α + 2(n − 1)/n · B / β, the ring all-reduce's α-β cost.
+//!   CPU a flash-attention kernel that never writes the s × s scores), forward and backward, kept
+//!   whole ([`Gpu::attention_table`]) in place of the attention's two batched GEMMs;
+//! * the element-wise kernels: a block's two LayerNorms, the GeLU and the two residual adds, and
+//!   the loss's log-softmax, forward and backward; their bytes as the simulator counts them
+//!   (`Model::elementwise_bytes`, in fp32) over their time is the profile's memory bandwidth —
+//!   so the element-wise term checks how the kernels are combined, not its own byte count;
+//! * the course's AdamW, per parameter;
+//! * the transport: all-reduces between two process ranks over shared memory (the data path
+//!   `train` takes here), timed as nccl-tests does (`bench::measure_with`), fitted by least squares
+//!   of the relative error to t = 2(n − 1)·α + 2(n − 1)/n · B / β (for two ranks, 2α + B/β: each
+//!   rank's half crosses once each way, whichever algorithm runs).
 //!
 //! Nothing is fitted to a training step: the steps `train` takes here are what the profile is
 //! checked against.
 
-use super::gemm::{Gemm, Timed};
+use super::gemm::{Gemm, Timed, TimedAttention};
 use super::hardware::{Gpu, Link};
 use super::model::Model;
-use super::step::Layout;
+use super::step::{dense_gemm_shapes, Layout};
 use tch::{Device, Kind, Tensor};
 
 /// The median of `reps` timings of `f` after one untimed call.
@@ -98,26 +101,41 @@ pub fn time_elementwise(rows: usize, h: usize, f: usize, reps: usize) -> f64 {
     })
 }
 
-/// The GEMM shapes the simulated step of `model` under `layout` asks for: each layer's forward
-/// GEMMs and their backward, and the output layer's.
-pub fn shapes(model: &Model, layout: &Layout) -> (Vec<Gemm>, Vec<Gemm>) {
-    let (dense, attn) = model.layer_gemms(layout.micro_batch, layout.tp);
-    let mut d: Vec<Gemm> = dense.to_vec();
-    d.push(model.logits_gemm(layout.micro_batch, layout.tp));
-    let with_backward = |g: Vec<Gemm>| g.iter().flat_map(|g| [*g, g.backward()[0], g.backward()[1]]).collect();
-    (with_backward(d), with_backward(attn.to_vec()))
-}
-
 /// What this machine's kernels measured for a model (every figure per rank, one thread).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Kernels {
-    /// Every GEMM shape the layouts ask for, the attention's shapes sharing its fused kernel's time.
+    /// Every dense GEMM shape the layouts ask for ([`dense_gemm_shapes`]).
     pub gemms: Vec<Timed>,
+    /// The fused attention of every layout, forward and backward.
+    pub attention: Vec<TimedAttention>,
     /// The element-wise kernels' bytes as the simulator counts them over their measured time: a
     /// block's LayerNorms, GeLU and residual adds, and the loss's softmax over the vocabulary.
     pub elementwise_bytes_per_s: f64,
     /// The course's AdamW (`optim::AdamW`) per parameter.
     pub optimizer_seconds_per_param: f64,
+}
+
+impl Kernels {
+    /// Each figure the slower of two ranks' (measured at the same time, for the same shapes):
+    /// a step runs at its slowest rank's pace.
+    pub fn slowest(&self, other: &Kernels) -> Kernels {
+        let mut k = self.clone();
+        for t in &mut k.gemms {
+            if let Some(o) = other.gemms.iter().find(|o| o.gemm == t.gemm) {
+                t.seconds = t.seconds.max(o.seconds);
+            }
+        }
+        for a in &mut k.attention {
+            if let Some(o) =
+                other.attention.iter().find(|o| (o.batch, o.seq, o.head_dim) == (a.batch, a.seq, a.head_dim))
+            {
+                (a.forward, a.backward) = (a.forward.max(o.forward), a.backward.max(o.backward));
+            }
+        }
+        k.elementwise_bytes_per_s = k.elementwise_bytes_per_s.min(other.elementwise_bytes_per_s);
+        k.optimizer_seconds_per_param = k.optimizer_seconds_per_param.max(other.optimizer_seconds_per_param);
+        k
+    }
 }
 
 /// Seconds per parameter of one step of the course's AdamW on 4 Mi parameters.
@@ -149,33 +167,34 @@ pub fn measure_kernels(model: &Model, layouts: &[Layout]) -> Result<Kernels, Str
         return Err("this machine's profile is measured in fp32: give --precision fp32".into());
     }
     const REPS: usize = 9;
-    let mut gemms: Vec<Timed> = Vec::new();
+    let (mut gemms, mut attention): (Vec<Timed>, Vec<TimedAttention>) = (Vec::new(), Vec::new());
     let (mut bytes, mut seconds) = (0.0, 0.0);
     for l in layouts {
-        let (dense, attn) = shapes(model, l);
-        for g in dense {
+        for g in dense_gemm_shapes(model, l) {
             if !gemms.iter().any(|t| t.gemm == g) {
                 gemms.push(Timed { gemm: g, seconds: time_gemm(&g, REPS) });
             }
         }
-        // The attention's six GEMMs (two forward, four backward) share its measured times.
-        if !gemms.iter().any(|t| t.gemm == attn[0]) {
-            let (b, heads, d) = (l.micro_batch, model.heads / l.tp, model.hidden / model.heads);
-            let (fwd, bwd) = time_attention(b, heads, model.seq, d, REPS);
-            for (i, g) in attn.iter().enumerate() {
-                let share = if i % 3 == 0 { fwd / 2.0 } else { bwd / 4.0 };
-                gemms.push(Timed { gemm: *g, seconds: share });
-            }
+        let (batch, heads, d) = (l.micro_batch, model.heads / l.tp, model.hidden / model.heads);
+        if !attention.iter().any(|a| (a.batch, a.seq, a.head_dim) == (batch * heads, model.seq, d)) {
+            let (forward, backward) = time_attention(batch, heads, model.seq, d, REPS);
+            attention.push(TimedAttention { batch: batch * heads, seq: model.seq, head_dim: d, forward, backward });
         }
-        // The simulator charges a forward's bytes once forward and twice backward, in fp32 twice
-        // its 16-bit count; the loss's 12 bytes a logit likewise (`sim::step`).
+        // The simulator charges a forward's element-wise bytes once forward and twice backward,
+        // in fp32 twice its 16-bit count, and the loss 12 bytes a logit forward and again
+        // backward (`sim::step`).
         let rows = l.micro_batch * model.seq;
         let (ew, _) = model.elementwise_bytes(l.micro_batch as f64, l.tp as f64, false);
         bytes += 3.0 * 2.0 * ew * model.layers as f64 + 2.0 * 12.0 * (rows * model.vocab / l.tp) as f64;
         seconds += model.layers as f64 * time_elementwise(rows, model.hidden, model.ffn / l.tp, REPS)
             + time_loss(rows, model.vocab / l.tp, REPS);
     }
-    Ok(Kernels { gemms, elementwise_bytes_per_s: bytes / seconds, optimizer_seconds_per_param: time_optimizer(5) })
+    Ok(Kernels {
+        gemms,
+        attention,
+        elementwise_bytes_per_s: bytes / seconds,
+        optimizer_seconds_per_param: time_optimizer(5),
+    })
 }
 
 /// Fit a ring all-reduce's α (seconds per step) and bus bandwidth β (bytes/s) on `n` ranks to
@@ -219,6 +238,8 @@ pub fn this_machine(k: &Kernels, ranks: usize, memory_bytes: f64, (alpha, beta):
         gemm_efficiency: 1.0,
         memory_efficiency: 1.0,
         gemm_table: k.gemms.clone(),
+        attention_table: k.attention.clone(),
+        measured_precision: Some(crate::precision::Precision::Fp32),
         fused_attention: true,
         optimizer_seconds_per_param: k.optimizer_seconds_per_param,
         source: "measured here (`sim::calibrate`): GEMMs, the fused attention, the element-wise kernels and \

@@ -35,6 +35,17 @@ pub struct Timed {
     pub seconds: f64,
 }
 
+/// A fused attention kernel measured (a profile's table, `sim::calibrate`): `batch` sequences ×
+/// local heads, `seq` tokens, head size `head_dim`; seconds forward and backward.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TimedAttention {
+    pub batch: usize,
+    pub seq: usize,
+    pub head_dim: usize,
+    pub forward: f64,
+    pub backward: f64,
+}
+
 /// The output tile the guide's examples use (rows, columns).
 pub const TILE: (usize, usize) = (256, 128);
 
@@ -63,7 +74,8 @@ impl Gemm {
             return t.seconds;
         }
         if !gpu.gemm_table.is_empty() {
-            // A measured profile without this shape: its best measured rate (no GPU tiles).
+            // A measured profile without this shape (`simulate_step` refuses a layout whose
+            // shapes were not measured): its best measured rate, no GPU tiles.
             return self.flops() / gpu.peak_flops(precision);
         }
         self.flops() / (gpu.peak_flops(precision) * gpu.gemm_efficiency * self.busy(gpu.sms))

@@ -55,10 +55,18 @@ pub struct Gpu {
     pub gemm_efficiency: f64,
     /// The fraction of the memory bandwidth a large element-wise kernel reaches.
     pub memory_efficiency: f64,
-    /// Measured GEMM times by shape (this machine's profile, `sim::calibrate`); where a shape is
-    /// in it, its time replaces the peak, efficiency and quantization model. Empty for the GPUs.
+    /// Measured GEMM times by shape (this machine's profile, `sim::calibrate`): a shape's time
+    /// replaces the peak, efficiency and quantization model, and `simulate_step` refuses a layout
+    /// with a shape the table lacks. Empty for the GPUs.
     #[serde(default)]
     pub gemm_table: Vec<super::gemm::Timed>,
+    /// Measured fused attention kernels (with `fused_attention`), in place of the attention's
+    /// GEMMs. Empty for the GPUs.
+    #[serde(default)]
+    pub attention_table: Vec<super::gemm::TimedAttention>,
+    /// The precision a measured profile's tables hold (`None` for the data-sheet profiles).
+    #[serde(default)]
+    pub measured_precision: Option<crate::precision::Precision>,
     /// The attention is one fused kernel (flash attention; timed in the table): its s × s scores
     /// are never written, so no element-wise traffic is charged for them. False for the GPU
     /// profiles, as in the 2021 runs they are checked against.
@@ -115,6 +123,8 @@ pub fn profiles() -> Vec<Gpu> {
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
             gemm_table: Vec::new(),
+            attention_table: Vec::new(),
+            measured_precision: None,
             fused_attention: false,
             optimizer_seconds_per_param: 0.0,
             source: "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB: 312 TFLOP/s dense bf16, 2,039 GB/s, \
@@ -137,6 +147,8 @@ pub fn profiles() -> Vec<Gpu> {
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
             gemm_table: Vec::new(),
+            attention_table: Vec::new(),
+            measured_precision: None,
             fused_attention: false,
             optimizer_seconds_per_param: 0.0,
             source: "NVIDIA H100 Tensor Core GPU data sheet (SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s, NVLink \
@@ -156,6 +168,8 @@ pub fn profiles() -> Vec<Gpu> {
             gemm_efficiency: GEMM_EFFICIENCY,
             memory_efficiency: HBM_EFFICIENCY,
             gemm_table: Vec::new(),
+            attention_table: Vec::new(),
+            measured_precision: None,
             fused_attention: false,
             optimizer_seconds_per_param: 0.0,
             source: "NVIDIA H200 Tensor Core GPU data sheet (SXM: 989 TFLOP/s dense bf16, 141 GB, 4.8 TB/s, \
@@ -184,6 +198,15 @@ impl Gpu {
         }
     }
 
+    /// The measured fused attention's (forward, backward) seconds for `batch` sequences × local
+    /// heads of `seq` tokens and head size `head_dim`, if this profile has it.
+    pub fn attention_time(&self, batch: usize, seq: usize, head_dim: usize) -> Option<(f64, f64)> {
+        self.attention_table
+            .iter()
+            .find(|a| (a.batch, a.seq, a.head_dim) == (batch, seq, head_dim))
+            .map(|a| (a.forward, a.backward))
+    }
+
     /// Checks that every figure is a positive number.
     pub fn check(&self) -> Result<(), String> {
         let figures = [
@@ -202,6 +225,13 @@ impl Gpu {
             if !(v.is_finite() && v > 0.0) {
                 return Err(format!("{}: {what} must be a positive number, not {v}", self.name));
             }
+        }
+        let times = self.gemm_table.iter().map(|t| t.seconds);
+        let attention = self.attention_table.iter().flat_map(|a| [a.forward, a.backward]);
+        if times.chain(attention).any(|t| !(t.is_finite() && t > 0.0))
+            || !(self.optimizer_seconds_per_param.is_finite() && self.optimizer_seconds_per_param >= 0.0)
+        {
+            return Err(format!("{}: every measured time must be a positive number", self.name));
         }
         if !(self.intra.alpha >= 0.0 && self.inter.alpha >= 0.0) || self.gpus_per_node == 0 || self.sms == 0 {
             return Err(format!("{}: latencies must not be negative and a node holds a GPU", self.name));

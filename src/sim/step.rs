@@ -171,10 +171,43 @@ fn memory_time(gpu: &Gpu, bytes: f64) -> f64 {
     bytes / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
 }
 
+/// The dense GEMM shapes one step of `model` under `layout` asks for: each layer's forward GEMMs
+/// (QKV, projection, MLP up and down) and the output layer's, each followed by its backward two.
+/// The attention's batched GEMMs are apart ([`Model::layer_gemms`]).
+pub fn dense_gemm_shapes(model: &Model, layout: &Layout) -> Vec<Gemm> {
+    let (dense, _) = model.layer_gemms(layout.micro_batch, layout.tp);
+    let logits = model.logits_gemm(layout.micro_batch, layout.tp);
+    dense.iter().chain([&logits]).flat_map(|g| [*g, g.backward()[0], g.backward()[1]]).collect()
+}
+
+/// A measured profile (this machine's) prices only what was measured: its precision, every dense
+/// GEMM shape of the layout and, with a fused attention, the attention's shape.
+fn measured_for(gpu: &Gpu, model: &Model, l: &Layout) -> Result<(), String> {
+    if gpu.gemm_table.is_empty() {
+        return Ok(());
+    }
+    let again = "measure the profile for this model and layout (`sim::calibrate::measure_kernels`)";
+    if gpu.measured_precision != Some(l.precision) {
+        return Err(format!(
+            "{} was measured in {:?}, not {:?}: {again}",
+            gpu.name, gpu.measured_precision, l.precision
+        ));
+    }
+    if let Some(g) = dense_gemm_shapes(model, l).into_iter().find(|g| !gpu.gemm_table.iter().any(|t| t.gemm == *g)) {
+        return Err(format!("{} has no time for the GEMM {g:?}: {again}", gpu.name));
+    }
+    let (batch, d) = (l.micro_batch * model.heads / l.tp, model.hidden / model.heads);
+    if gpu.fused_attention && gpu.attention_time(batch, model.seq, d).is_none() {
+        return Err(format!("{} has no time for the attention of {batch} × {} × {d}: {again}", gpu.name, model.seq));
+    }
+    Ok(())
+}
+
 /// Simulate one step of `model` laid out as `layout` on GPUs like `gpu`.
 pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Prediction, String> {
     gpu.check()?;
     layout.check(model)?;
+    measured_for(gpu, model, layout)?;
     let l = layout;
     let (dp, tp, pp, v, m) = (l.dp, l.tp, l.pp, l.interleave, l.micro_batches());
     let g = gpu.gpus_per_node;
@@ -200,11 +233,15 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     let (ew, ew_attn) = model.elementwise_bytes(b, t, l.sequence_parallel);
     let ew_attn = if gpu.fused_attention { 0.0 } else { ew_attn };
     let (ew, ew_attn) = (ew * act / 2.0, ew_attn * act / 2.0);
-    let layer_f = fwd(&dense) + fwd(&attn) + memory_time(gpu, ew + ew_attn);
-    let layer_b = bwd(&dense) + bwd(&attn) + 2.0 * memory_time(gpu, ew + ew_attn);
+    // A measured fused attention kernel where the profile has one, else its two batched GEMMs.
+    let (attn_f, attn_b) = gpu
+        .attention_time(l.micro_batch * model.heads / tp, model.seq, model.hidden / model.heads)
+        .unwrap_or_else(|| (fwd(&attn), bwd(&attn)));
+    let layer_f = fwd(&dense) + attn_f + memory_time(gpu, ew + ew_attn);
+    let layer_b = bwd(&dense) + attn_b + 2.0 * memory_time(gpu, ew + ew_attn);
     let recompute = match l.recompute {
         Recompute::None => 0.0,
-        Recompute::Selective => fwd(&attn) + memory_time(gpu, ew_attn),
+        Recompute::Selective => attn_f + memory_time(gpu, ew_attn),
         Recompute::Full => layer_f,
     };
     let activation = b * (model.seq * model.hidden) as f64 * act;
