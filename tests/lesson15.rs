@@ -46,7 +46,7 @@ shardlab::graders! {
         // α (2.9 µs here); weighing each point's relative error gives 10.03 µs.
         let noisy = points(10e-6, 10e9, 2, &sizes, &[1.03, 0.97]);
         let (a, b) = fit_alpha_beta(&noisy, 2).expect("noisy points");
-        // Weights of 1/t (or 1/B) land 2–5% off; a line through two of the points, 3%.
+        // Weights of 1/t (or 1/B) land 2–3% off; a line through two of the points, 3%.
         assert!(
             near(a, 10e-6, 0.015) && near(b, 10e9, 0.01),
             "points of α = 10 µs, β = 10 GB/s disturbed by ±3% gave α = {a:e} s, β = {b:e} B/s: least squares of the relative error over every point — what weight on (a + c·B − t)² makes it ((a + c·B − t)/t)²?"

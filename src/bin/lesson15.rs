@@ -2,7 +2,7 @@
 //! course's own schedules in virtual time (`shardlab::sim`).
 //!
 //! ```text
-//! cargo run --release --bin lesson15 -- alpha-beta   # all-reduces here, fitted to α + B/β
+//! cargo run --release --bin lesson15 -- alpha-beta   # all-reduces here, fitted to 2α + B/β
 //! cargo run --release --bin lesson15 -- hierarchy    # one all-reduce on 8 to 16,384 A100s: the NIC bound, ring or tree
 //! cargo run --release --bin lesson15 -- bubble       # the pipeline's bubble, plain and interleaved
 //! cargo run --release --bin lesson15 -- tp           # tensor parallelism inside a node and across two

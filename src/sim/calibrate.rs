@@ -164,7 +164,7 @@ pub fn time_loss(rows: usize, vocab: usize, reps: usize) -> f64 {
 /// thread's libtorch threads: one, as each rank runs).
 pub fn measure_kernels(model: &Model, layouts: &[Layout]) -> Result<Kernels, String> {
     if layouts.iter().any(|l| l.precision != crate::precision::Precision::Fp32) {
-        return Err("this machine's profile is measured in fp32: give --precision fp32".into());
+        return Err("every layout must be fp32: this machine's profile is measured in fp32".into());
     }
     const REPS: usize = 9;
     let (mut gemms, mut attention): (Vec<Timed>, Vec<TimedAttention>) = (Vec::new(), Vec::new());

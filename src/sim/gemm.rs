@@ -75,7 +75,7 @@ impl Gemm {
         }
         if !gpu.gemm_table.is_empty() {
             // A measured profile without this shape (`simulate_step` refuses a layout whose
-            // shapes were not measured): its best measured rate, no GPU tiles.
+            // shapes were not measured): its peak (`calibrate`'s: the best measured rate), no tiles.
             return self.flops() / gpu.peak_flops(precision);
         }
         self.flops() / (gpu.peak_flops(precision) * gpu.gemm_efficiency * self.busy(gpu.sms))

@@ -5,10 +5,10 @@
 //! `intra` (NVLink through NVSwitch); between nodes each GPU has its own NIC at `inter`
 //! (InfiniBand, one HCA per GPU on DGX systems). Bandwidths are per GPU and per direction.
 //!
-//! The two efficiencies are the only figures that are not a data sheet's: what fraction of the
-//! peak a large matrix multiplication and a large memory-bound kernel reach. They are the same
-//! for every GPU here and come from published measurements, cited at [`GEMM_EFFICIENCY`] and
-//! [`HBM_EFFICIENCY`].
+//! In the data-sheet profiles the two efficiencies are the only figures that are not a data
+//! sheet's: what fraction of the peak a large matrix multiplication and a large memory-bound
+//! kernel reach, the same for every GPU, from published measurements ([`GEMM_EFFICIENCY`],
+//! [`HBM_EFFICIENCY`]). A measured profile (`sim::calibrate`) carries tables of timed kernels.
 
 use serde::{Deserialize, Serialize};
 
@@ -60,8 +60,8 @@ pub struct Gpu {
     /// with a shape the table lacks. Empty for the GPUs.
     #[serde(default)]
     pub gemm_table: Vec<super::gemm::Timed>,
-    /// Measured fused attention kernels (with `fused_attention`), in place of the attention's
-    /// GEMMs. Empty for the GPUs.
+    /// Measured fused attention kernels, charged in place of the attention's GEMMs where one
+    /// matches. Empty for the GPUs.
     #[serde(default)]
     pub attention_table: Vec<super::gemm::TimedAttention>,
     /// The precision a measured profile's tables hold (`None` for the data-sheet profiles).

@@ -7,9 +7,9 @@
 //! The step, as Megatron-LM (2021) and the course's engine run it:
 //! 1. the pipeline: each rank runs the course's own schedule (`pipeline::schedule` for GPipe and
 //!    1F1B, `pipeline::interleaved` for v > 1) through `pipeline::simulate_timed`; an operation
-//!    of a chunk of layers costs its GEMMs by their shapes (`sim::gemm`: the GPU's GEMM
-//!    efficiency, and the SMs a shape's tiles keep busy), its element-wise
-//!    kernels at the memory bandwidth, tensor parallelism's all-reduces (or sequence
+//!    of a chunk of layers costs its GEMMs by their shapes (`sim::gemm`; a measured profile's
+//!    table and fused attention where it has them), its element-wise kernels at the memory
+//!    bandwidth, tensor parallelism's all-reduces (or sequence
 //!    parallelism's all-gathers and reduce-scatters) over the tp group, recomputation's forward,
 //!    and the send of its activations to the next virtual stage; the last chunk adds the output
 //!    layer;
@@ -18,7 +18,8 @@
 //!    `overlap_grad_reduce`, where only what outlasts the last micro-batch's backward shows;
 //!    ZeRO-3 gathers each chunk's parameters before its forward and backward and reduce-scatters
 //!    its gradients after, every micro-batch, hidden behind compute as far as compute lasts;
-//! 3. the optimizer: AdamW reads and writes every parameter's state it holds once (memory-bound).
+//! 3. the optimizer: AdamW reads and writes every parameter's state it holds once (memory-bound;
+//!    a measured profile's time per parameter where it has one).
 
 use super::collective::{time, Coll, Placement};
 use super::gemm::Gemm;

@@ -131,6 +131,13 @@ fn main() -> anyhow::Result<()> {
         };
         return simulate::main(&a.sim, &shared);
     }
+    let sim_only = a.sim.given();
+    anyhow::ensure!(
+        sim_only.is_empty(),
+        "{} {} the simulator's: add --simulate, --search or --validate (without them `plan` is the memory planner)",
+        sim_only.join(", "),
+        if sim_only.len() == 1 { "is" } else { "are" }
+    );
     if a.params.is_none() {
         println!(
             "(no --params: the ZeRO paper's example, 7.5e9 parameters on 64 devices; \

@@ -77,6 +77,32 @@ impl SimArgs {
     pub fn wanted(&self) -> bool {
         self.simulate || self.search || self.validate
     }
+
+    /// The simulator's own flags that were given (the memory planner takes none of them).
+    pub fn given(&self) -> Vec<&'static str> {
+        [
+            ("--gpu", self.gpu.is_some()),
+            ("--repeats", self.repeats.is_some()),
+            ("--gpus", self.gpus.is_some()),
+            ("--gpus-per-node", self.gpus_per_node.is_some()),
+            ("--n-layer", self.n_layer.is_some()),
+            ("--n-embd", self.n_embd.is_some()),
+            ("--n-head", self.n_head.is_some()),
+            ("--ffn", self.ffn.is_some()),
+            ("--block-size", self.block_size != 2048),
+            ("--vocab-size", self.vocab_size != 51200),
+            ("--interleave", self.interleave != 1),
+            ("--micro-batch-size", self.micro_batch_size != 1),
+            ("--global-batch-size", self.global_batch_size.is_some()),
+            ("--zero", self.zero != 0),
+            ("--precision", self.precision != Precision::Bf16),
+            ("--overlap-grad-reduce", self.overlap_grad_reduce),
+            ("--svg", self.svg.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(f, given)| given.then_some(f))
+        .collect()
+    }
 }
 
 /// The flags `plan` shares between its memory planner and the simulator.
@@ -145,9 +171,11 @@ pub fn main(a: &SimArgs, s: &Shared) -> anyhow::Result<()> {
     }
     if a.validate {
         let model_flags = [a.n_layer.is_some(), a.n_embd.is_some(), a.n_head.is_some(), a.ffn.is_some()];
+        let defaults = a.block_size == 2048 && a.vocab_size == 51200 && a.precision == Precision::Bf16;
         anyhow::ensure!(
-            !model_flags.contains(&true) && a.gpus.is_none() && a.global_batch_size.is_none(),
-            "--validate simulates the published runs' models and clusters: it takes no model, --gpus or batch"
+            !model_flags.contains(&true) && defaults && a.gpus.is_none() && a.global_batch_size.is_none(),
+            "--validate simulates the published runs' models, precision and clusters (or this machine's): \
+             it takes no model, --precision, --gpus or batch"
         );
         if here {
             anyhow::ensure!(a.gpus_per_node.is_none(), "--gpu this-machine runs two ranks here: drop --gpus-per-node");
