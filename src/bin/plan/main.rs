@@ -9,8 +9,8 @@
 //! ```
 //!
 //! With `--simulate`, `--search` or `--validate`, lesson 15's cluster simulator (`shardlab::sim`,
-//! see `simulate.rs` beside this file): step time, tokens/s, MFU and memory for a layout of any
-//! GPT on thousands of GPUs.
+//! see `simulate.rs` and `validate.rs` beside this file): step time, tokens/s, MFU and memory for a
+//! layout of any GPT on thousands of GPUs.
 //!
 //! ```text
 //! cargo run --release --bin plan -- --simulate --gpu h100-80gb --n-layer 80 --n-embd 8192 --n-head 64 --ffn 28672 --block-size 4096 --gpus 1024 --tp 8 --pp 4 --global-batch-size 1024 --sequence-parallel --recompute selective
@@ -30,7 +30,7 @@ use shardlab::memory::{
 use shardlab::pipeline::Schedule;
 
 mod simulate;
-mod this_machine;
+mod validate;
 
 #[derive(Parser, Debug)]
 #[command(about = "Per-device memory for DDP and ZeRO-1/2/3 (ZeRO paper accounting); with --simulate, \

@@ -7,7 +7,7 @@ use shardlab::memory::Recompute;
 use shardlab::pipeline::Schedule;
 use shardlab::plot::{BarChart, Units};
 use shardlab::precision::Precision;
-use shardlab::sim::{profile, search, simulate_step, validate, why_faster, Gpu, Layout, Model, Prediction};
+use shardlab::sim::{profile, search, simulate_step, why_faster, Gpu, Layout, Model, Prediction};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -179,7 +179,7 @@ pub fn main(a: &SimArgs, s: &Shared) -> anyhow::Result<()> {
         );
         if here {
             anyhow::ensure!(a.gpus_per_node.is_none(), "--gpu this-machine runs two ranks here: drop --gpus-per-node");
-            return super::this_machine::validate(a.repeats.unwrap_or(3), s.json);
+            return super::validate::this_machine(a.repeats.unwrap_or(3), s.json);
         }
     }
     let default_gpu = if a.validate { "a100-80gb" } else { "h100-80gb" };
@@ -188,7 +188,7 @@ pub fn main(a: &SimArgs, s: &Shared) -> anyhow::Result<()> {
         gpu.gpus_per_node = g;
     }
     if a.validate {
-        return validate_all(&gpu, s.json);
+        return super::validate::published(&gpu, s.json);
     }
     let model = match (a.n_layer, a.n_embd, a.n_head) {
         (Some(layers), Some(hidden), Some(heads)) => {
@@ -356,63 +356,6 @@ fn search_all(
             p.memory.total / 1e9,
             why
         );
-    }
-    Ok(())
-}
-
-fn validate_all(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
-    anyhow::ensure!(gpu.name == "a100-80gb", "the published runs are on A100-80GB: --gpu a100-80gb (the default)");
-    let mut rows = Vec::new();
-    for r in validate::megatron_table_1() {
-        let p = simulate_step(&r.model, gpu, &r.layout).map_err(anyhow::Error::msg)?;
-        let err = p.megatron_tflops_per_gpu / r.tflops_per_gpu - 1.0;
-        rows.push((r, p, err));
-    }
-    // The simulator's own time: the 175B model on 8, 1,024 and 16,384 GPUs.
-    let model = Model::gpt(96, 12288, 96);
-    let mut timings = Vec::new();
-    for (gpus, tp, pp) in [(8, 8, 1), (1024, 8, 16), (16384, 8, 16)] {
-        let mut l = Layout::new(gpus / (tp * pp), tp, pp);
-        l.global_batch = 2 * gpus;
-        l.recompute = Recompute::Full;
-        l.sequence_parallel = true;
-        let t0 = Instant::now();
-        let _ = simulate_step(&model, gpu, &l).map_err(anyhow::Error::msg)?;
-        timings.push((gpus, l.micro_batches(), t0.elapsed().as_secs_f64()));
-    }
-    if json {
-        let v: Vec<_> = rows
-            .iter()
-            .map(|(r, p, e)| {
-                json!({"model": r.name, "gpus": r.layout.gpus(), "tp": r.layout.tp, "pp": r.layout.pp,
-                "published_tflops": r.tflops_per_gpu, "predicted_tflops": p.megatron_tflops_per_gpu, "error": e})
-            })
-            .collect();
-        let t: Vec<_> = timings.iter().map(|(g, m, s)| json!({"gpus": g, "micro_batches": m, "seconds": s})).collect();
-        println!("{}", json!({"megatron_table_1": v, "simulator_seconds": t}));
-        return Ok(());
-    }
-    println!("Narayanan et al. 2021, Table 1 (A100-80GB, fp16, full recompute; micro-batch 1 and plain 1F1B assumed):");
-    println!(
-        "{:>8} {:>6} {:>3} {:>3} {:>6} {:>10} {:>10} {:>7}",
-        "model", "GPUs", "tp", "pp", "batch", "published", "predicted", "error"
-    );
-    for (r, p, e) in &rows {
-        println!(
-            "{:>8} {:>6} {:>3} {:>3} {:>6} {:>10.0} {:>10.1} {:>+6.1}%",
-            r.name,
-            r.layout.gpus(),
-            r.layout.tp,
-            r.layout.pp,
-            r.layout.global_batch,
-            r.tflops_per_gpu,
-            p.megatron_tflops_per_gpu,
-            100.0 * e
-        );
-    }
-    println!("(TFLOP/s per GPU as the paper counts them, its Eq. 3 with the recomputed forward.)");
-    for (g, m, s) in timings {
-        println!("simulating GPT-175B on {g:>6} GPUs ({m} micro-batches a replica): {:.1} ms", s * 1e3);
     }
     Ok(())
 }

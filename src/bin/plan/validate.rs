@@ -1,4 +1,6 @@
-//! `plan --validate --gpu this-machine`: the simulator checked against `train` on this machine.
+//! `plan --validate`: the simulator checked against published runs ([`published`]: Narayanan et
+//! al. 2021, Table 1) and, with `--gpu this-machine`, against `train` on this machine
+//! ([`this_machine`]):
 //!
 //! 1. the profile (`shardlab::sim::calibrate`): all-reduces between two process ranks fitted to
 //!    α-β, then the model's GEMMs, fused attention, element-wise kernels and AdamW timed on both
@@ -21,9 +23,10 @@ use shardlab::memory::Recompute;
 use shardlab::model::GptConfig;
 use shardlab::pipeline::{PipelineConfig, Schedule};
 use shardlab::precision::Precision;
-use shardlab::sim::{calibrate, simulate_step, Layout, Model};
+use shardlab::sim::{calibrate, simulate_step, validate, Gpu, Layout, Model};
 use shardlab::stages::Checkpointing;
 use shardlab::trainer::Strategy;
+use std::time::Instant;
 
 const RANKS: usize = 2;
 const SIZES: [u64; 5] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20];
@@ -63,7 +66,7 @@ fn memory_total() -> f64 {
         .map_or(16e9, |kb| kb * 1024.0)
 }
 
-pub fn validate(repeats: usize, json: bool) -> anyhow::Result<()> {
+pub fn this_machine(repeats: usize, json: bool) -> anyhow::Result<()> {
     anyhow::ensure!(repeats >= 1, "--repeats must be at least 1");
     let cfg = GptConfig::bench();
     let model = Model {
@@ -192,6 +195,64 @@ pub fn validate(repeats: usize, json: bool) -> anyhow::Result<()> {
             "\nmean absolute error {:.1}% (the median of {repeats} runs each; `train`'s median step)",
             100.0 * mean
         );
+    }
+    Ok(())
+}
+
+/// The published runs (Narayanan et al. 2021, Table 1) predicted, and the simulator's own time.
+pub fn published(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
+    anyhow::ensure!(gpu.name == "a100-80gb", "the published runs are on A100-80GB: --gpu a100-80gb (the default)");
+    let mut rows = Vec::new();
+    for r in validate::megatron_table_1() {
+        let p = simulate_step(&r.model, gpu, &r.layout).map_err(anyhow::Error::msg)?;
+        let err = p.megatron_tflops_per_gpu / r.tflops_per_gpu - 1.0;
+        rows.push((r, p, err));
+    }
+    // The simulator's own time: the 175B model on 8, 1,024 and 16,384 GPUs.
+    let model = Model::gpt(96, 12288, 96);
+    let mut timings = Vec::new();
+    for (gpus, tp, pp) in [(8, 8, 1), (1024, 8, 16), (16384, 8, 16)] {
+        let mut l = Layout::new(gpus / (tp * pp), tp, pp);
+        l.global_batch = 2 * gpus;
+        l.recompute = Recompute::Full;
+        l.sequence_parallel = true;
+        let t0 = Instant::now();
+        let _ = simulate_step(&model, gpu, &l).map_err(anyhow::Error::msg)?;
+        timings.push((gpus, l.micro_batches(), t0.elapsed().as_secs_f64()));
+    }
+    if json {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|(r, p, e)| {
+                json!({"model": r.name, "gpus": r.layout.gpus(), "tp": r.layout.tp, "pp": r.layout.pp,
+                "published_tflops": r.tflops_per_gpu, "predicted_tflops": p.megatron_tflops_per_gpu, "error": e})
+            })
+            .collect();
+        let t: Vec<_> = timings.iter().map(|(g, m, s)| json!({"gpus": g, "micro_batches": m, "seconds": s})).collect();
+        println!("{}", json!({"megatron_table_1": v, "simulator_seconds": t}));
+        return Ok(());
+    }
+    println!("Narayanan et al. 2021, Table 1 (A100-80GB, fp16, full recompute; micro-batch 1 and plain 1F1B assumed):");
+    println!(
+        "{:>8} {:>6} {:>3} {:>3} {:>6} {:>10} {:>10} {:>7}",
+        "model", "GPUs", "tp", "pp", "batch", "published", "predicted", "error"
+    );
+    for (r, p, e) in &rows {
+        println!(
+            "{:>8} {:>6} {:>3} {:>3} {:>6} {:>10.0} {:>10.1} {:>+6.1}%",
+            r.name,
+            r.layout.gpus(),
+            r.layout.tp,
+            r.layout.pp,
+            r.layout.global_batch,
+            r.tflops_per_gpu,
+            p.megatron_tflops_per_gpu,
+            100.0 * e
+        );
+    }
+    println!("(TFLOP/s per GPU as the paper counts them, its Eq. 3 with the recomputed forward.)");
+    for (g, m, s) in timings {
+        println!("simulating GPT-175B on {g:>6} GPUs ({m} micro-batches a replica): {:.1} ms", s * 1e3);
     }
     Ok(())
 }
