@@ -105,3 +105,51 @@ pub fn interleaved_order(stages: usize, chunks: usize, micro_batches: usize, ran
     order.extend((total - warmup..total).map(|k| step(k, false)));
     Ok(order)
 }
+
+/// What one data-parallel step sends, by the α-β model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepComm {
+    /// All-reduces in a step: one per gradient bucket.
+    pub messages: usize,
+    /// Bytes one rank sends in a step.
+    pub bytes_per_rank: f64,
+    /// Seconds of those all-reduces one after another on the link (nothing hidden behind backward).
+    pub seconds: f64,
+}
+
+/// Exercise 4 — your prediction of one step of lesson 05's bucketed DDP on `ranks` ranks: the
+/// gradients of parameters of `param_bytes` bytes (registration order), packed into buckets of at
+/// most `cap` bytes from the last parameter to the first (a parameter larger than `cap` gets a
+/// bucket of its own), each bucket one ring all-reduce over `link` (α per ring step, β the bus
+/// bandwidth, as exercise 1 fits them). One rank sends nothing. An Err for no ranks, a cap of 0
+/// bytes, or a link whose α is negative or whose β is not positive.
+pub fn predict_ddp_comm(param_bytes: &[usize], cap: usize, ranks: usize, link: Link) -> Result<StepComm, String> {
+    if ranks == 0 || cap == 0 {
+        return Err(format!("{ranks} ranks with buckets of {cap} bytes: both must be at least 1"));
+    }
+    if !(link.alpha >= 0.0 && link.bytes_per_s > 0.0) {
+        return Err(format!("a link needs α ≥ 0 and β > 0: {link:?}"));
+    }
+    if ranks == 1 {
+        return Ok(StepComm { messages: 0, bytes_per_rank: 0.0, seconds: 0.0 });
+    }
+    // The buckets, walking from the last parameter to the first (lesson 05).
+    let mut buckets: Vec<usize> = Vec::new();
+    let mut open = 0;
+    for &b in param_bytes.iter().rev() {
+        if open > 0 && open + b > cap {
+            buckets.push(open);
+            open = 0;
+        }
+        open += b;
+    }
+    if open > 0 {
+        buckets.push(open);
+    }
+    // Each bucket: a ring all-reduce, 2(n − 1) steps of α, each rank sending 2(n − 1)/n of it.
+    let n = ranks as f64;
+    let share = 2.0 * (n - 1.0) / n;
+    let bytes: f64 = buckets.iter().map(|&b| b as f64).sum();
+    let seconds = buckets.len() as f64 * 2.0 * (n - 1.0) * link.alpha + share * bytes / link.bytes_per_s;
+    Ok(StepComm { messages: buckets.len(), bytes_per_rank: share * bytes, seconds })
+}

@@ -12,6 +12,10 @@ mod exercise_code;
 #[path = "../solutions/15_scaling_out.rs"]
 mod solution_code;
 
+/// The timed parts of exercises 1 and 4 (yours and the reference's, which `cargo test` runs at
+/// once) take turns: on two cores, two measurements at once would time each other.
+static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 shardlab::graders! {
     lesson: "15", exercise_file: "lessons/15_scaling_out/exercise.rs";
 
@@ -73,6 +77,7 @@ shardlab::graders! {
         use shardlab::comm::{Algo, Backend, OpKind};
         let sizes: [u64; 5] = [256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20];
         let timing = Timing { warmup: 2, iters: Iters::Fixed(20), method: Method::NcclTests };
+        let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
         let measured = shardlab::launch::spawn(2, Backend::Local, move |pg| {
             sizes.iter().map(|&b| Ok(measure_with(pg, "shardlab", OpKind::AllReduce, Algo::Ring, b, timing)?.time_s)).collect::<anyhow::Result<Vec<f64>>>()
         })
@@ -202,5 +207,165 @@ shardlab::graders! {
         assert!(interleaved_order(2, 2, 4, 2).is_err(), "rank 2 of 2 stages: an Err");
         assert!(interleaved_order(2, 0, 4, 0).is_err(), "no chunks: an Err");
         assert!(interleaved_order(2, 2, 0, 0).is_err(), "no micro-batches: an Err");
+    }
+
+    fn comm(got: Result<StepComm, String>, messages: usize, bytes: f64, seconds: f64, what: &str) {
+        let got = got.unwrap_or_else(|e| panic!("{what}: an Err ({e}) for a valid step"));
+        assert_eq!(got.messages, messages, "{what}: {} all-reduces, not {messages} — one per bucket, built as lesson 05 builds them", got.messages);
+        assert!(
+            near(got.bytes_per_rank, bytes, 1e-9),
+            "{what}: {} bytes sent per rank, not {bytes}: in a ring all-reduce each rank sends 2(n − 1)/n of the buffer",
+            got.bytes_per_rank
+        );
+        assert!(
+            near(got.seconds, seconds, 1e-9),
+            "{what}: {:e} s, not {seconds:e} s: every all-reduce pays its 2(n − 1) steps of α, and its bytes at β",
+            got.seconds
+        );
+    }
+
+    #[test]
+    fn ex4_your_prediction_of_a_ddp_step() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS);
+        let link = |alpha: f64, bytes_per_s: f64| Link { alpha, bytes_per_s };
+        // A bucket that reaches the cap exactly is full, not over: 2,500 + 2,500, then 2,500. 2 ranks:
+        // each sends 1 · 7,500 B; 2 · 2 · 20 µs + 7,500 B / 2 GB/s = 83.75 µs.
+        comm(predict_ddp_comm(&[2500, 2500, 2500], 5000, 2, link(20e-6, 2e9)), 2, 7_500.0, 83.75e-6, "2 ranks, three parameters of 2,500 B in buckets of 5,000 B (the first bucket is exactly full)");
+        // 4 ranks, α 10 µs, β 1 GB/s; cap 5,000 B. From the last parameter: 4,000 (3,000 more would
+        // pass the cap), then 3,000 + 2,000 = 5,000, then 2,000: three buckets, 11,000 B.
+        // Each rank sends 2·3/4 · 11,000 = 16,500 B; 3 · 6 · 10 µs + 16,500 B / 1 GB/s = 196.5 µs.
+        comm(predict_ddp_comm(&[2000, 2000, 3000, 4000], 5000, 4, link(10e-6, 1e9)), 3, 16_500.0, 196.5e-6, "4 ranks, buckets of 5,000 B over parameters of 2,000, 2,000, 3,000, 4,000 B");
+        // A parameter larger than the cap gets a bucket of its own, whole: 1,000 | 8,000 | 1,000.
+        // 8 ranks: 2·7/8 · 10,000 = 17,500 B; 3 · 14 · 5 µs + 17,500 B / 10 GB/s = 211.75 µs.
+        comm(predict_ddp_comm(&[1000, 8000, 1000], 5000, 8, link(5e-6, 10e9)), 3, 17_500.0, 211.75e-6, "8 ranks, a parameter of 8,000 B with buckets of 5,000 B (whole, in a bucket of its own)");
+        // Everything in one 25 MiB bucket: 1 all-reduce of 10,000 B on 4 ranks: 15,000 B;
+        // 6 · 10 µs + 15,000 B / 1 GB/s = 75 µs.
+        comm(predict_ddp_comm(&[1000; 10], 25 << 20, 4, link(10e-6, 1e9)), 1, 15_000.0, 75e-6, "4 ranks, ten parameters of 1,000 B in one bucket of 25 MiB");
+        // A cap of 1 byte: a bucket per parameter, three all-reduces of 400 B on 4 ranks: 1,800 B;
+        // 3 · 6 · 10 µs + 1,800 B / 1 GB/s = 181.8 µs.
+        comm(predict_ddp_comm(&[400, 400, 400], 1, 4, link(10e-6, 1e9)), 3, 1_800.0, 181.8e-6, "4 ranks, buckets of 1 byte (one per parameter)");
+        comm(predict_ddp_comm(&[1000, 2000], 5000, 1, link(10e-6, 1e9)), 0, 0.0, 0.0, "one rank (nothing to all-reduce)");
+        comm(predict_ddp_comm(&[], 5000, 4, link(10e-6, 1e9)), 0, 0.0, 0.0, "no parameters");
+        assert!(predict_ddp_comm(&[1000], 5000, 0, link(10e-6, 1e9)).is_err(), "no ranks: an Err");
+        assert!(predict_ddp_comm(&[1000], 0, 2, link(10e-6, 1e9)).is_err(), "buckets of 0 bytes: an Err");
+        assert!(predict_ddp_comm(&[1000], 5000, 2, link(-1e-6, 1e9)).is_err(), "a negative latency: an Err");
+        assert!(predict_ddp_comm(&[1000], 5000, 2, link(10e-6, 0.0)).is_err(), "a bandwidth of 0: an Err");
+
+        // Now this machine. Two ranks (threads of this process, the ring algorithm) train a small
+        // GPT with lesson 05's DdpBucketed, buckets of 256 KiB; what one step really sent is
+        // counted, then the step's buckets are all-reduced alone, one after another, 31 times
+        // (the median is the measurement). The link comes from all-reduces of 4 KiB–512 KiB
+        // timed just before, fitted by your exercise 1 (by the grader's own fit while exercise 1
+        // is not done).
+        use shardlab::comm::{Algo, Backend, OpKind, ReduceOp};
+        let cap = 256 << 10;
+        let mut opts = shardlab::launch::SpawnOptions::new(2, Backend::Local);
+        opts.config.all_reduce_algo = Algo::Ring;
+        let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+        let ranks = shardlab::launch::spawn_with(opts, move |pg| {
+            let cfg = shardlab::model::GptConfig { vocab_size: 256, block_size: 32, n_layer: 2, n_head: 4, n_embd: 128 };
+            let model = shardlab::model::Gpt::new(cfg, 1)?;
+            let sizes: Vec<usize> = shardlab::model::Model::parameters(&model).iter().map(|p| p.numel() * 4).collect();
+            let mut dp = shardlab::ddp::DdpBucketed::new(pg, Box::new(model), cap)?;
+            let numels: Vec<i64> = dp.bucket_params().iter().map(|b| b.iter().map(|&i| (sizes[i] / 4) as i64).sum()).collect();
+            let data = shardlab::data::synthetic_corpus(4000, 7);
+            let sampler = shardlab::data::DistributedSampler::new(8, 32, pg.rank(), 2, 3)?;
+            let cfg = shardlab::optim::StepConfig::lr(0.1);
+            shardlab::ddp::train_step(&mut dp, &mut shardlab::optim::Sgd, &sampler.batch(&data, 0), 1, cfg)?;
+            let before = pg.stats();
+            shardlab::ddp::train_step(&mut dp, &mut shardlab::optim::Sgd, &sampler.batch(&data, 1), 1, cfg)?;
+            let step = pg.stats().since(&before);
+            // Seconds of `reps` rounds of all-reduces (f32, average, as DDP runs them) of
+            // tensors of `numels`, one after another: the median round.
+            let timed = |numels: &[i64], reps: usize| -> anyhow::Result<f64> {
+                let mut flats: Vec<tch::Tensor> = numels.iter().map(|&n| tch::Tensor::ones([n], (tch::Kind::Float, tch::Device::Cpu))).collect();
+                let mut times = Vec::new();
+                for rep in 0..reps + 3 {
+                    pg.barrier()?;
+                    let t0 = std::time::Instant::now();
+                    for f in flats.iter_mut() {
+                        pg.all_reduce(f, ReduceOp::Avg)?;
+                    }
+                    if rep >= 3 {
+                        times.push(t0.elapsed().as_secs_f64());
+                    }
+                }
+                times.sort_by(f64::total_cmp);
+                Ok(times[times.len() / 2])
+            };
+            // The link: all-reduces of 4 KiB to 512 KiB, the sizes the buckets have, timed the
+            // same way: each round runs several of one size back to back on buffers of their own
+            // (2 MiB in all, as the step's 1.7 MB: a buffer reused would stay in the cache).
+            let points = [1i64 << 10, 4 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10]
+                .iter()
+                .map(|&n| {
+                    let k = ((512 << 10) / n).min(64) as usize;
+                    Ok(((n * 4) as f64, timed(&vec![n; k], 31)? / k as f64))
+                })
+                .collect::<anyhow::Result<Vec<(f64, f64)>>>()?;
+            // The step's all-reduces alone, back to back.
+            let step_s = timed(&numels, 31)?;
+            Ok((sizes, numels.len(), step.bytes_sent, step.calls(OpKind::AllReduce), points, step_s))
+        })
+        .expect("two thread ranks training a small GPT");
+        let (sizes, buckets) = (&ranks[0].0, ranks[0].1);
+        // Each point and the step: the slower rank's time.
+        let points: Vec<(f64, f64)> = ranks[0].4.iter().zip(&ranks[1].4).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
+        let points = &points;
+        let mine = std::panic::catch_unwind(|| fit_alpha_beta(points, 2));
+        let (fit, by) = match mine {
+            Ok(Ok(ab)) => (ab, "your exercise 1"),
+            Ok(Err(e)) => panic!("your exercise 1 refused this machine's points {points:?}: {e}"),
+            Err(_) => (grader_fit(points), "the grader's fit (exercise 1 is not done)"),
+        };
+        let here = Link { alpha: fit.0, bytes_per_s: fit.1 };
+        let p = predict_ddp_comm(sizes, cap, 2, here).unwrap_or_else(|e| panic!("this machine's step ({sizes:?}, buckets of {cap} B): {e}"));
+        assert_eq!(p.messages, buckets, "the real DdpBucketed built {buckets} buckets of 256 KiB for this GPT's {} parameters; you predicted {}", sizes.len(), p.messages);
+        for (rank, (_, _, sent, reduces, _, _)) in ranks.iter().enumerate() {
+            // The step also runs the optimizer's one small all-reduce (global norm, non-finite
+            // check: a few numbers), left out of the prediction.
+            assert_eq!(*reduces, buckets as u64 + 1, "rank {rank}: one all-reduce per bucket and the optimizer's one");
+            let sent = *sent as f64;
+            assert!(
+                (p.bytes_per_rank - sent).abs() <= 64.0,
+                "rank {rank} really sent {sent} bytes in the step; you predicted {} (the optimizer's all-reduce adds under 64)",
+                p.bytes_per_rank
+            );
+        }
+        let measured = ranks.iter().map(|r| r.5).fold(0.0, f64::max);
+        let err = p.seconds / measured - 1.0;
+        println!("this machine, 2 thread ranks: α {:.1} µs, β {:.2} GB/s (fitted by {by})", here.alpha * 1e6, here.bytes_per_s / 1e9);
+        println!(
+            "one DDP step's {} all-reduces ({:.0} KB a rank): you predict {:.0} µs, measured {:.0} µs (median of 31, slower rank): {:+.1}%",
+            p.messages,
+            p.bytes_per_rank / 1e3,
+            p.seconds * 1e6,
+            measured * 1e6,
+            err * 100.0
+        );
+        assert!(
+            err.abs() <= TIME_TOLERANCE,
+            "you predicted {:.0} µs for the step's all-reduces; they took {:.0} µs here ({:+.0}%, more than ±{:.0}%). \
+             The sizes and counts passed above, so look at the α and β this machine's points gave",
+            p.seconds * 1e6,
+            measured * 1e6,
+            err * 100.0,
+            TIME_TOLERANCE * 100.0
+        );
+    }
+
+    /// How far a prediction of this machine's all-reduces may miss (timings on a shared machine jump).
+    const TIME_TOLERANCE: f64 = 0.5;
+
+    /// The grader's own α-β fit (relative least squares of a line, as exercise 1 asks), for when
+    /// exercise 1 is not done yet.
+    fn grader_fit(points: &[(f64, f64)]) -> (f64, f64) {
+        let w: Vec<f64> = points.iter().map(|p| 1.0 / (p.1 * p.1)).collect();
+        let s = |f: &dyn Fn(f64, f64) -> f64| points.iter().zip(&w).map(|(p, w)| w * f(p.0, p.1)).sum::<f64>();
+        let (s1, sb, sbb, st, sbt) = (s(&|_, _| 1.0), s(&|b, _| b), s(&|b, _| b * b), s(&|_, t| t), s(&|b, t| b * t));
+        let c = (s1 * sbt - sb * st) / (s1 * sbb - sb * sb);
+        let a = ((st - c * sb) / s1).max(0.0);
+        // 2 ranks: t = 2α + B/β.
+        (a / 2.0, 1.0 / c)
     }
 }

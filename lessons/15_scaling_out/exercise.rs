@@ -50,3 +50,26 @@ pub fn interleaved_order(stages: usize, chunks: usize, micro_batches: usize, ran
     // forwards warm up, then one forward one backward (README, "The bubble, and interleaving").
     todo!()
 }
+
+/// What one data-parallel step sends, by the α-β model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepComm {
+    /// All-reduces in a step: one per gradient bucket.
+    pub messages: usize,
+    /// Bytes one rank sends in a step.
+    pub bytes_per_rank: f64,
+    /// Seconds of those all-reduces one after another on the link (nothing hidden behind backward).
+    pub seconds: f64,
+}
+
+/// Exercise 4 — your prediction of one step of lesson 05's bucketed DDP on `ranks` ranks: the
+/// gradients of parameters of `param_bytes` bytes (registration order), packed into buckets of at
+/// most `cap` bytes from the last parameter to the first (a parameter larger than `cap` gets a
+/// bucket of its own), each bucket one ring all-reduce over `link` (α per ring step, β the bus
+/// bandwidth, as exercise 1 fits them). One rank sends nothing. An Err for no ranks, a cap of 0
+/// bytes, or a link whose α is negative or whose β is not positive.
+pub fn predict_ddp_comm(param_bytes: &[usize], cap: usize, ranks: usize, link: Link) -> Result<StepComm, String> {
+    // TODO: the buckets lesson 05 builds, then what the ring of "The α-β model" costs for each
+    // (README, exercise 4).
+    todo!()
+}
