@@ -153,3 +153,68 @@ pub fn predict_ddp_comm(param_bytes: &[usize], cap: usize, ranks: usize, link: L
     let seconds = buckets.len() as f64 * 2.0 * (n - 1.0) * link.alpha + share * bytes / link.bytes_per_s;
     Ok(StepComm { messages: buckets.len(), bytes_per_rank: share * bytes, seconds })
 }
+
+/// A GPT and a layout, as the layout search sees them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Plan {
+    /// Ψ, the model's parameters.
+    pub params: f64,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    /// Tokens a sequence.
+    pub seq: usize,
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    /// Sequences a micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches a step, per data-parallel replica.
+    pub micro_batches: usize,
+    /// ZeRO stage, 0 to 3.
+    pub zero: u8,
+}
+
+/// Bytes one GPU holds at its peak.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemoryPerGpu {
+    pub model_states: f64,
+    pub activations: f64,
+}
+
+/// Exercise 5 — the layout search's memory filter: what the first pipeline rank holds under
+/// 1F1B, in bf16 mixed precision with AdamW (bf16 weights, fp32 gradients, fp32 master weights
+/// and two moments: 2 + 4 + 12 bytes a parameter), the parameters spread evenly over tp · pp,
+/// ZeRO sharding over dp, selective recomputation, and sequence parallelism whenever tp > 1.
+/// An Err for a degree, batch or shape of 0, tp not dividing the heads, pp not dividing the
+/// layers, a ZeRO stage above 3, or ZeRO-2/3 with pp > 1 (DeepSpeed refuses it).
+pub fn memory_per_gpu(plan: &Plan) -> Result<MemoryPerGpu, String> {
+    let p = plan;
+    let counts = [p.layers, p.hidden, p.heads, p.seq, p.dp, p.tp, p.pp, p.micro_batch, p.micro_batches];
+    if counts.contains(&0) || !(p.params > 0.0) {
+        return Err(format!("every count of a plan must be at least 1: {p:?}"));
+    }
+    if p.heads % p.tp != 0 || p.layers % p.pp != 0 {
+        return Err(format!("tp {} must divide the {} heads and pp {} the {} layers", p.tp, p.heads, p.pp, p.layers));
+    }
+    if p.zero > 3 || (p.zero >= 2 && p.pp > 1) {
+        return Err(format!("ZeRO-{} with pp {}: ZeRO has stages 0 to 3, and at most 1 with pipelining", p.zero, p.pp));
+    }
+    // Model states: this rank's share of the parameters, then what ZeRO shards over dp.
+    let local = p.params / (p.tp * p.pp) as f64;
+    let dp = p.dp as f64;
+    let (w, g, k) = (2.0, 4.0, 12.0);
+    let model_states = match p.zero {
+        0 => (w + g + k) * local,
+        1 => (w + g) * local + k * local / dp,
+        2 => w * local + (g + k) * local / dp,
+        _ => (w + g + k) * local / dp,
+    };
+    // Activations: 34·s·b·h bytes a layer with selective recomputation, sharded over tp by
+    // sequence parallelism; the first rank holds its L/p layers for min(p, m) micro-batches.
+    let (s, b, h) = (p.seq as f64, p.micro_batch as f64, p.hidden as f64);
+    let per_layer = 34.0 * s * b * h / p.tp as f64;
+    let in_flight = p.pp.min(p.micro_batches) as f64;
+    let activations = per_layer * (p.layers / p.pp) as f64 * in_flight;
+    Ok(MemoryPerGpu { model_states, activations })
+}

@@ -368,4 +368,60 @@ shardlab::graders! {
         // 2 ranks: t = 2α + B/β.
         (a / 2.0, 1.0 / c)
     }
+
+    fn plan(params: f64, (layers, hidden, heads, seq): (usize, usize, usize, usize), (dp, tp, pp): (usize, usize, usize), micro_batch: usize, micro_batches: usize, zero: u8) -> Plan {
+        Plan { params, layers, hidden, heads, seq, dp, tp, pp, micro_batch, micro_batches, zero }
+    }
+
+    fn memory(p: Plan, states: f64, activations: f64, what: &str) {
+        let got = memory_per_gpu(&p).unwrap_or_else(|e| panic!("{what}: an Err ({e}) for a valid plan"));
+        assert!(
+            near(got.model_states, states, 1e-9),
+            "{what}: model states {:.4e} B, not {states:.4e} B — this rank's Ψ/(tp·pp) parameters at 2 + 4 + 12 bytes, and \
+             ZeRO-1 shards only the optimizer's 12, ZeRO-2 the gradients' 4 too, ZeRO-3 all 18",
+            got.model_states
+        );
+        assert!(
+            near(got.activations, activations, 1e-9),
+            "{what}: activations {:.4e} B, not {activations:.4e} B — 34·s·b·h/tp a layer (sequence parallelism shards \
+             it all), for the first rank's L/pp layers and the micro-batches 1F1B keeps in flight there",
+            got.activations
+        );
+    }
+
+    #[test]
+    fn ex5_the_layout_searchs_memory_filter() {
+        shardlab::grading::refuse_twins(GRADER, 5, TWINS);
+        // Each case by hand. 70B (80 layers, 8,192 wide, 64 heads, 4,096 tokens) on 1,024 GPUs,
+        // tp 8 × pp 8 × dp 16, ZeRO-1, 64 micro-batches of 1: Ψ/64 = 1.09375e9 parameters here;
+        // (2 + 4)·1.09375e9 + 12·1.09375e9/16 = 7.3828125e9 B. A layer: 34·4096·1·8192/8 =
+        // 142,606,336 B; 80/8 = 10 layers; 1F1B's first rank holds min(8, 64) = 8 micro-batches:
+        // 11,408,506,880 B.
+        let l70 = (80, 8192, 64, 4096);
+        memory(plan(70e9, l70, (16, 8, 8), 1, 64, 1), 7_382_812_500.0, 11_408_506_880.0, "70B, tp 8 × pp 8 × dp 16, ZeRO-1, 64 micro-batches");
+        // The same with 4 micro-batches and no ZeRO: 18·1.09375e9 = 19.6875e9 B; only 4 in flight:
+        // 10·4·142,606,336 = 5,704,253,440 B.
+        memory(plan(70e9, l70, (16, 8, 8), 1, 4, 0), 19_687_500_000.0, 5_704_253_440.0, "70B, tp 8 × pp 8 × dp 16, no ZeRO, 4 micro-batches (fewer than the stages)");
+        // 1.3B (24 layers, 2,048 wide, 16 heads, 2,048 tokens), plain DDP on 8: 18·1.3e9 =
+        // 23.4e9 B; one micro-batch of 4 at a time (no pipeline: gradient accumulation):
+        // 24·34·2048·4·2048 = 13,690,208,256 B.
+        memory(plan(1.3e9, (24, 2048, 16, 2048), (8, 1, 1), 4, 8, 0), 23.4e9, 13_690_208_256.0, "1.3B, DDP on 8 (no tp, no pp), 8 micro-batches of 4");
+        // 13B (40 layers, 5,120 wide, 40 heads, 2,048 tokens), ZeRO-3 over dp 64, tp 2:
+        // 18·6.5e9/64 = 1.828125e9 B; 40·34·2048·1·5120/2 = 7,130,316,800 B.
+        memory(plan(13e9, (40, 5120, 40, 2048), (64, 2, 1), 1, 4, 3), 1_828_125_000.0, 7_130_316_800.0, "13B, ZeRO-3 over dp 64, tp 2");
+        // 7B (32 layers, 4,096 wide, 32 heads, 4,096 tokens), ZeRO-2 over dp 4, tp 4:
+        // 2·1.75e9 + 16·1.75e9/4 = 10.5e9 B; 32·34·4096·2·4096/4 = 9,126,805,504 B.
+        memory(plan(7e9, (32, 4096, 32, 4096), (4, 4, 1), 2, 8, 2), 10.5e9, 9_126_805_504.0, "7B, ZeRO-2 over dp 4, tp 4, micro-batches of 2");
+        for (bad, why) in [
+            (plan(70e9, l70, (16, 8, 8), 1, 64, 2), "ZeRO-2 with pp 8"),
+            (plan(70e9, l70, (16, 8, 8), 1, 64, 4), "ZeRO-4"),
+            (plan(70e9, l70, (16, 8, 3), 1, 64, 0), "pp 3 does not divide 80 layers"),
+            (plan(70e9, l70, (16, 6, 8), 1, 64, 0), "tp 6 does not divide 64 heads"),
+            (plan(70e9, l70, (0, 8, 8), 1, 64, 0), "dp 0"),
+            (plan(70e9, l70, (16, 8, 8), 0, 64, 0), "micro-batches of 0 sequences"),
+            (plan(70e9, (80, 8192, 64, 0), (16, 8, 8), 1, 64, 0), "sequences of 0 tokens"),
+        ] {
+            assert!(memory_per_gpu(&bad).is_err(), "{why}: an Err");
+        }
+    }
 }

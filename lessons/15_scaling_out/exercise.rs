@@ -73,3 +73,43 @@ pub fn predict_ddp_comm(param_bytes: &[usize], cap: usize, ranks: usize, link: L
     // (README, exercise 4).
     todo!()
 }
+
+/// A GPT and a layout, as the layout search sees them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Plan {
+    /// Ψ, the model's parameters.
+    pub params: f64,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    /// Tokens a sequence.
+    pub seq: usize,
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    /// Sequences a micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches a step, per data-parallel replica.
+    pub micro_batches: usize,
+    /// ZeRO stage, 0 to 3.
+    pub zero: u8,
+}
+
+/// Bytes one GPU holds at its peak.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemoryPerGpu {
+    pub model_states: f64,
+    pub activations: f64,
+}
+
+/// Exercise 5 — the layout search's memory filter: what the first pipeline rank holds under
+/// 1F1B, in bf16 mixed precision with AdamW (bf16 weights, fp32 gradients, fp32 master weights
+/// and two moments: 2 + 4 + 12 bytes a parameter), the parameters spread evenly over tp · pp,
+/// ZeRO sharding over dp, selective recomputation, and sequence parallelism whenever tp > 1.
+/// An Err for a degree, batch or shape of 0, tp not dividing the heads, pp not dividing the
+/// layers, a ZeRO stage above 3, or ZeRO-2/3 with pp > 1 (DeepSpeed refuses it).
+pub fn memory_per_gpu(plan: &Plan) -> Result<MemoryPerGpu, String> {
+    // TODO: lesson 07's model states for this rank's share of the parameters, then the
+    // activations the first rank of a 1F1B pipeline holds at its peak (README, exercise 5).
+    todo!()
+}
