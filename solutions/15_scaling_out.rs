@@ -111,7 +111,8 @@ pub fn interleaved_order(stages: usize, chunks: usize, micro_batches: usize, ran
 pub struct StepComm {
     /// All-reduces in a step: one per gradient bucket.
     pub messages: usize,
-    /// Bytes one rank sends in a step.
+    /// Bytes one rank sends in a step (the ring shares the work evenly: every rank sends as much,
+    /// where the buckets split evenly over the ranks).
     pub bytes_per_rank: f64,
     /// Seconds of those all-reduces one after another on the link (nothing hidden behind backward).
     pub seconds: f64,
@@ -121,11 +122,14 @@ pub struct StepComm {
 /// gradients of parameters of `param_bytes` bytes (registration order), packed into buckets of at
 /// most `cap` bytes from the last parameter to the first (a parameter larger than `cap` gets a
 /// bucket of its own), each bucket one ring all-reduce over `link` (α per ring step, β the bus
-/// bandwidth, as exercise 1 fits them). One rank sends nothing. An Err for no ranks, a cap of 0
-/// bytes, or a link whose α is negative or whose β is not positive.
+/// bandwidth, as exercise 1 fits them). One rank runs no all-reduce: 0 messages, 0 bytes, 0 s.
+/// An Err for no ranks, a cap of 0 bytes, a parameter of 0 bytes, or a link whose α is negative
+/// or whose β is not positive.
 pub fn predict_ddp_comm(param_bytes: &[usize], cap: usize, ranks: usize, link: Link) -> Result<StepComm, String> {
-    if ranks == 0 || cap == 0 {
-        return Err(format!("{ranks} ranks with buckets of {cap} bytes: both must be at least 1"));
+    if ranks == 0 || cap == 0 || param_bytes.contains(&0) {
+        return Err(format!(
+            "{ranks} ranks, buckets of {cap} bytes, parameters of {param_bytes:?} bytes: each must be at least 1"
+        ));
     }
     if !(link.alpha >= 0.0 && link.bytes_per_s > 0.0) {
         return Err(format!("a link needs α ≥ 0 and β > 0: {link:?}"));
@@ -186,8 +190,9 @@ pub struct MemoryPerGpu {
 /// 1F1B, in bf16 mixed precision with AdamW (bf16 weights, fp32 gradients, fp32 master weights
 /// and two moments: 2 + 4 + 12 bytes a parameter), the parameters spread evenly over tp · pp,
 /// ZeRO sharding over dp, selective recomputation, and sequence parallelism whenever tp > 1.
-/// An Err for a degree, batch or shape of 0, tp not dividing the heads, pp not dividing the
-/// layers, a ZeRO stage above 3, or ZeRO-2/3 with pp > 1 (DeepSpeed refuses it).
+/// An Err for a count of 0 (Ψ, layers, width, heads, tokens, dp, tp, pp, the micro-batch or the
+/// micro-batches), tp not dividing the heads, pp not dividing the layers, a ZeRO stage above 3,
+/// or ZeRO-2/3 with pp > 1 (DeepSpeed refuses it).
 pub fn memory_per_gpu(plan: &Plan) -> Result<MemoryPerGpu, String> {
     let p = plan;
     let counts = [p.layers, p.hidden, p.heads, p.seq, p.dp, p.tp, p.pp, p.micro_batch, p.micro_batches];

@@ -56,7 +56,8 @@ pub fn interleaved_order(stages: usize, chunks: usize, micro_batches: usize, ran
 pub struct StepComm {
     /// All-reduces in a step: one per gradient bucket.
     pub messages: usize,
-    /// Bytes one rank sends in a step.
+    /// Bytes one rank sends in a step (the ring shares the work evenly: every rank sends as much,
+    /// where the buckets split evenly over the ranks).
     pub bytes_per_rank: f64,
     /// Seconds of those all-reduces one after another on the link (nothing hidden behind backward).
     pub seconds: f64,
@@ -66,8 +67,9 @@ pub struct StepComm {
 /// gradients of parameters of `param_bytes` bytes (registration order), packed into buckets of at
 /// most `cap` bytes from the last parameter to the first (a parameter larger than `cap` gets a
 /// bucket of its own), each bucket one ring all-reduce over `link` (α per ring step, β the bus
-/// bandwidth, as exercise 1 fits them). One rank sends nothing. An Err for no ranks, a cap of 0
-/// bytes, or a link whose α is negative or whose β is not positive.
+/// bandwidth, as exercise 1 fits them). One rank runs no all-reduce: 0 messages, 0 bytes, 0 s.
+/// An Err for no ranks, a cap of 0 bytes, a parameter of 0 bytes, or a link whose α is negative
+/// or whose β is not positive.
 pub fn predict_ddp_comm(param_bytes: &[usize], cap: usize, ranks: usize, link: Link) -> Result<StepComm, String> {
     // TODO: the buckets lesson 05 builds, then what the ring of "The α-β model" costs for each
     // (README, exercise 4).
@@ -106,8 +108,9 @@ pub struct MemoryPerGpu {
 /// 1F1B, in bf16 mixed precision with AdamW (bf16 weights, fp32 gradients, fp32 master weights
 /// and two moments: 2 + 4 + 12 bytes a parameter), the parameters spread evenly over tp · pp,
 /// ZeRO sharding over dp, selective recomputation, and sequence parallelism whenever tp > 1.
-/// An Err for a degree, batch or shape of 0, tp not dividing the heads, pp not dividing the
-/// layers, a ZeRO stage above 3, or ZeRO-2/3 with pp > 1 (DeepSpeed refuses it).
+/// An Err for a count of 0 (Ψ, layers, width, heads, tokens, dp, tp, pp, the micro-batch or the
+/// micro-batches), tp not dividing the heads, pp not dividing the layers, a ZeRO stage above 3,
+/// or ZeRO-2/3 with pp > 1 (DeepSpeed refuses it).
 pub fn memory_per_gpu(plan: &Plan) -> Result<MemoryPerGpu, String> {
     // TODO: lesson 07's model states for this rank's share of the parameters, then the
     // activations the first rank of a 1F1B pipeline holds at its peak (README, exercise 5).
