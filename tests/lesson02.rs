@@ -16,6 +16,10 @@ use std::time::Duration;
 shardlab::graders! {
     lesson: "02", exercise_file: "lessons/02_p2p_broadcast/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["binomial_tree"], &["broadcast_with", "broadcast_async", "broadcast_params", "binomial_tree", ".broadcast"], &[]];
+
     fn opts(n: usize, backend: Backend) -> SpawnOptions {
         let cfg = CommConfig { chunk_bytes: 64 << 10, ..CommConfig::default() }.with_timeout(Duration::from_secs(20));
         SpawnOptions::new(n, backend).launch(Launch::Threads).config(cfg)
@@ -23,6 +27,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_tree_links_form_a_binomial_tree() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         for n in 1..=33 {
             let mut parents = vec![0usize; n];
             for v in 0..n {
@@ -57,6 +62,7 @@ shardlab::graders! {
 
     #[test]
     fn ex2_tree_broadcast_delivers_the_roots_tensor_along_the_tree() {
+        shardlab::grading::refuse_twins(GRADER, 2, TWINS[1]);
         for backend in [Backend::Local, Backend::Tcp] {
             for n in 1..=5 {
                 let res = spawn_with(opts(n, backend), |pg| {

@@ -17,6 +17,10 @@ use shardlab::prelude::*;
 shardlab::graders! {
     lesson: "04", exercise_file: "lessons/04_toy_ddp/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["DistributedSampler", ".local_batch", ".local_offsets", "ddp::micro_batches", "comm::segment", "algo::segment", "owned_range"], &["broadcast_params", "assign_buckets", "DdpNaive", "DdpBucketed", "shardlab::ddp"], &["shardlab::ddp", "ddp::average_gradients", "naive::average_gradients", "DdpNaive", "DdpBucketed", "DataParallel"], &["shardlab::ddp", "DataParallel", "DdpNaive", "DdpBucketed", "train_step", "train_step_scaled", "Trainer"]];
+
     const GLOBAL: usize = 12;
     const STEPS: u64 = 3;
 
@@ -26,6 +30,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_shard_rows_split_the_global_batch() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         for n in 1..=6 {
             for g in [n, 2 * n, 12 * n] {
                 let parts: Vec<_> = (0..n).map(|r| shard_rows(g, r, n)).collect();
@@ -52,6 +57,7 @@ shardlab::graders! {
 
     #[test]
     fn ex2_every_rank_starts_from_rank_0s_weights_in_few_messages() {
+        shardlab::grading::refuse_twins(GRADER, 2, TWINS[1]);
         // Parameters of 5, 300 and 1 f32 = 20, 1200 and 4 bytes. Buckets of consecutive parameters:
         // cap 1 B → each alone, 3 broadcasts; cap 1220 B → [20 + 1200] [4], 2; cap 1 MiB → one.
         for (cap, want) in [(1usize, 3u64), (1220, 2), (1 << 20, 1)] {
@@ -79,6 +85,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_gradients_are_averaged_in_place() {
+        shardlab::grading::refuse_twins(GRADER, 3, TWINS[2]);
         for (backend, opts) in [(Backend::Local, SpawnOptions::new(4, Backend::Local)), (Backend::Tcp, tcp_threads(4))] {
             let out = spawn_with(opts, |pg| {
                 let r = pg.rank() as f64;
@@ -139,6 +146,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_ddp_matches_one_process_on_the_concatenated_batch() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         // Reference: one process, the whole global batch, same AdamW ("same as single-process training").
         let reference = reference_gpt();
         for n in 1..=4 {
@@ -169,6 +177,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_ddp_step_also_trains_an_mlp() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         let cfg = MlpConfig { sizes: vec![8, 16, 4] };
         let data = Mlp::new(cfg.clone(), 0).unwrap().synthetic_batch(GLOBAL as i64, 5);
         let reference = {

@@ -18,8 +18,13 @@ use shardlab::prelude::*;
 shardlab::graders! {
     lesson: "05", exercise_file: "lessons/05_production_ddp/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["ddp::assign_buckets", "bucketed::assign_buckets"], &[], &["train_step", "train_step_scaled", "Trainer"]];
+
     #[test]
     fn ex1_buckets_are_reverse_order_and_capped() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         // Worked example: 6 tensors, cap 8 bytes.
         assert_eq!(
             assign_buckets(&[4, 4, 10, 4, 4, 4], 8),
@@ -48,6 +53,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_the_librarys_ddp_trains_with_your_buckets() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         // DdpBucketed with your assign_buckets: 3 SGD steps on 2 ranks end where one process on
         // the whole batch ends, with one all-reduce per bucket per step (and the step's own one).
         let (want, _) = reference(8);
@@ -130,6 +136,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_accumulation_matches_one_big_batch_and_syncs_once_per_step() {
+        shardlab::grading::refuse_twins(GRADER, 3, TWINS[2]);
         let init = flat(&Gpt::new(GptConfig::tiny(), 1).unwrap());
         // (ranks, global batch, accumulation): uneven micro-batches included (5 rows in 2 → 2 + 3).
         for (n, global, accum) in [(1usize, 12usize, 4i64), (2, 10, 2), (3, 12, 2), (4, 12, 3)] {

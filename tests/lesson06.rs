@@ -19,6 +19,10 @@ use std::cell::RefCell;
 shardlab::graders! {
     lesson: "06", exercise_file: "lessons/06_fsdp_round_trip/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["FlatLayout", ".shard_range"], &["ShardedTensors"], &["ShardedTensors"], &["ShardedTensors", "zero::Zero", "Zero::new"]];
+
     /// N ranks as threads, over the local backend and over TCP; a peer silent for a minute fails the test.
     fn both(n: usize) -> [SpawnOptions; 2] {
         let cfg = CommConfig::default().with_timeout(std::time::Duration::from_secs(60));
@@ -30,6 +34,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_pad_and_shard() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         for n in 1..=8usize {
             for numel in [0i64, 1, 7, 8, 1000, 1003, 12_704] {
                 let parts: Vec<_> = (0..n).map(|r| pad_and_shard(numel, n, r)).collect();
@@ -55,6 +60,7 @@ shardlab::graders! {
 
     #[test]
     fn ex2_gather_unit_rebuilds_the_flat_buffer() {
+        shardlab::grading::refuse_twins(GRADER, 2, TWINS[1]);
         for n in 1..=4 {
             for opts in both(n) {
                 let out = spawn_with(opts, |pg| {
@@ -81,6 +87,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_reduce_scatter_averages_and_keeps_the_own_shard() {
+        shardlab::grading::refuse_twins(GRADER, 3, TWINS[2]);
         for n in 1..=4 {
             for opts in both(n) {
                 let out = spawn_with(opts, |pg| {
@@ -112,6 +119,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_and_1_2_a_gpt_unit_survives_the_round_trip() {
+        shardlab::grading::refuse_twins(GRADER, 3, TWINS[2]);
         // Shard a real unit (block 0 of the tiny GPT, 12 704 elements: N = 3 pads it), gather it back,
         // and reduce-scatter a gradient: the same numbers as the unsharded computation.
         for n in [2usize, 3] {
@@ -340,6 +348,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_round_trip_gradients_equal_one_process() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         for n in 1..=4 {
             for opts in both(n) {
                 let backend = opts.backend;
@@ -371,6 +380,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_round_trip_sends_two_gathers_and_one_reduce_scatter_per_unit() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         for n in 2..=4 {
             for opts in both(n) {
                 let backend = opts.backend;
@@ -408,6 +418,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_round_trip_holds_at_most_two_gathered_units() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         for n in 1..=3 {
             spawn_with(both(n)[0].clone(), |pg| {
                 let t = round_trip(pg)?;

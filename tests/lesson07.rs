@@ -16,8 +16,13 @@ use shardlab::zero::flat::FlatLayout;
 shardlab::graders! {
     lesson: "07", exercise_file: "lessons/07_zero_stages/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["model_state_bytes", "model_state_bytes_with", "StateBytes", "fit::state_bytes"], &["AdamW", "AdamWConfig", "nn::adamw", "nn::Adam", "COptimizer", "shardlab::optim"], &[], &["zero::Zero", "Zero::new", "ShardedTensors", "optimizer_step", "AdamW", "nn::adamw", "shardlab::optim", "shardlab::zero"]];
+
     #[test]
     fn ex1_planner_reproduces_the_zero_paper() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         // ZeRO paper, Table 1: 7.5 B parameters, K = 12, N = 64 → 120 / 31.4 / 16.6 / 1.88 GB.
         let got: Vec<f64> = (0..=3).map(|s| zero_bytes_per_device(7.5e9, 64.0, 12.0, s) / 1e9).collect();
         let what = [
@@ -48,6 +53,7 @@ shardlab::graders! {
 
     #[test]
     fn ex2_sharded_adamw_is_libtorchs_adamw() {
+        shardlab::grading::refuse_twins(GRADER, 2, TWINS[1]);
         // Reference: tch's nn::AdamW (libtorch's torch::optim::AdamW) on the same two tensors.
         let vs = tch::nn::VarStore::new(Device::Cpu);
         let mut rng = shardlab::rng::Rng::new(3);
@@ -180,6 +186,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_zero1_step_is_libtorchs_adamw_on_the_averaged_gradient() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         for n in 1..=4 {
             for opts in both(n) {
                 let backend = opts.backend;
@@ -203,6 +210,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_zero1_step_is_one_reduce_scatter_and_one_all_gather() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         for n in 2..=4 {
             for opts in both(n) {
                 let backend = opts.backend;

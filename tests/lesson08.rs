@@ -15,6 +15,10 @@ use shardlab::prelude::*;
 shardlab::graders! {
     lesson: "08", exercise_file: "lessons/08_mixed_precision/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["BFloat16", "half::bf16", "half::f16"], &["Sgd", "shardlab::optim"], &["GradScaler"], &["GradScaler", "NonFinite", "optimizer_step", ".unscale"]];
+
     /// libtorch's own f32 → bf16 conversion (round to nearest, ties to even), as raw bits.
     fn libtorch_bf16_bits(xs: &[f32]) -> Vec<u16> {
         let t = Tensor::from_slice(xs).to_kind(Kind::BFloat16).view_dtype(Kind::Int16);
@@ -27,6 +31,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_rounds_to_nearest_even_like_libtorch() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         let one = 1.0f32.to_bits();
         let mut xs = vec![
             0.0, -0.0, 1.0, -1.0, 0.1, 1.0 / 3.0, 3.14159, 65504.0, 1e-30, -2.5e-40, 1e-45,
@@ -69,6 +74,7 @@ shardlab::graders! {
 
     #[test]
     fn ex2_small_updates_accumulate_in_the_master() {
+        shardlab::grading::refuse_twins(GRADER, 2, TWINS[1]);
         // 1000 SGD steps of lr·grad = 1e-4 each: bf16 has 8 significant bits (spacing 2⁻⁷ ≈ 0.0078
         // at 1.0), so each update alone rounds away in bf16 — the f32 master keeps them all.
         // Expected: the f64 sum of the updates (f32 rounding adds at most 1000 × 1.2e-7 below 2).
@@ -107,6 +113,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_the_scale_follows_gradscalers_rules() {
+        shardlab::grading::refuse_twins(GRADER, 3, TWINS[2]);
         // By hand from PyTorch's GradScaler rules, growth_interval 3:
         // step:   1  2  3(×2)  4(inf ×½)  5  6(inf ×½)  7  8  9(×2)  10 11(inf)  12(inf)  13 14 15(×2)
         let mut s = state(8.0, 3);
@@ -140,6 +147,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_every_rank_skips_together() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         for backend in [Backend::Local, Backend::Tcp] {
             let out = spawn_with(SpawnOptions::new(3, backend).launch(Launch::Threads), |pg| {
                 let g = Tensor::from_slice(&[2048.0f32, -512.0]);

@@ -19,6 +19,10 @@ use std::sync::Mutex;
 shardlab::graders! {
     lesson: "09", exercise_file: "lessons/09_activation_checkpointing/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["forward_backward", "forward_only", "staged_backward", "AccumulateGrads", "StageHooks", "shardlab::stages"], &["forward_backward", "forward_only", "staged_backward", "AccumulateGrads", "StageHooks", "shardlab::stages"], &[], &[]];
+
     /// A model that counts its stage forwards and records, per call, whether the output carries a
     /// graph and whether the next stage's parameters already have gradients (has its backward run?).
     struct Watched<M: Model> {
@@ -108,6 +112,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_forward_keeps_a_graph_only_where_asked() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         let n = 6;
         for policy in [Checkpointing::None, Checkpointing::Full, Checkpointing::Every(2)] {
             let m = Watched::new(gpt());
@@ -160,6 +165,7 @@ shardlab::graders! {
 
     #[test]
     fn ex2_gradients_are_bitwise_those_without_checkpointing() {
+        shardlab::grading::refuse_twins(GRADER, 2, TWINS[1]);
         let n = 6;
         for policy in [Checkpointing::None, Checkpointing::Full, Checkpointing::Every(2), Checkpointing::Every(3)] {
             let reference = gpt();

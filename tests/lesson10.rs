@@ -18,6 +18,10 @@ use std::ops::Range;
 shardlab::graders! {
     lesson: "10", exercise_file: "lessons/10_distributed_checkpoints/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["plan::plan_reads", "plan_region_reads"], &[], &[], &[".after_failure", "Elastic::after_failure"]];
+
     /// Apply `reads` to the saved pieces of the tensor `0, 1, 2, …` (each piece holds its own
     /// elements) and return what lands in the wanted range (-1: nothing landed there).
     fn apply(saved: &[Range<i64>], want: &Range<i64>, reads: &[Read]) -> Vec<i64> {
@@ -114,6 +118,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_reads_fill_the_wanted_range_from_any_sharding() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         // Saved by 3 ranks in the order 4..7, 0..4, 7..10; wanted: 0..5 then 5..10 (2 ranks). By hand:
         let saved = [4..7, 0..4, 7..10];
         let plan = |want: Range<i64>| {
@@ -328,6 +333,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_the_supervisor_restarts_shrinks_or_gives_up() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         let same = Elastic { max_restarts: 3, ..Elastic::default() };
         assert_eq!(after_failure(&same, 0, 4, 8), Ok((4, 8)), "3 restarts allowed, none used: restart the same 4 × 8");
         assert_eq!(after_failure(&same, 2, 4, 8), Ok((4, 8)), "generation 2 failed: the third restart is still allowed");

@@ -24,6 +24,10 @@ use tch::{Device, Kind, Tensor};
 shardlab::graders! {
     lesson: "11", exercise_file: "lessons/11_gpus_nccl/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["flops::mfu", "flops::flops_per_token", "matmul_params", "shardlab::flops"], &["nccl::share_unique_id", "comm::nccl", "UniqueId"], &["staging::stage", "comm::staging", "output_buffer"], &["staging::unstage", "comm::staging"], &[]];
+
     /// Parameters that multiply activations, counted from a built model's tensors: all of them
     /// but the position embedding (`wpe`); the tied output head is the token embedding's tensor.
     fn measured_matmul_params(cfg: GptConfig) -> f64 {
@@ -37,6 +41,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_mfu_counts_the_model_flops_of_a_training_step() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         // GPT-2 small (124M): N = 123,653,376 without wpe (nanoGPT's get_num_params() prints
         // "123.65M"), flops/token = 6N + 12·12·768·1024 = 741,920,256 + 113,246,208 = 855,166,464.
         // At 1,000,000 tokens/s on 8 GPUs of 989 TFLOP/s: 8.55166464e14 / 7.912e15 = 0.1080847...
@@ -113,6 +118,7 @@ shardlab::graders! {
 
     #[test]
     fn ex2_every_rank_gets_rank_0s_id_or_its_error_at_once() {
+        shardlab::grading::refuse_twins(GRADER, 2, TWINS[1]);
         let (_server, connect) = store();
         let calls = Arc::new(AtomicUsize::new(0));
         let counted = {
@@ -178,6 +184,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_stage_copies_only_what_must_move_or_be_made_contiguous() {
+        shardlab::grading::refuse_twins(GRADER, 3, TWINS[2]);
         shardlab::device::load_libtorch_cuda(); // test binaries do not link it
         let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).reshape([3, 4]);
         let s = stage(&t, Device::Cpu);
@@ -211,6 +218,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_unstage_writes_into_the_callers_memory() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         shardlab::device::load_libtorch_cuda(); // test binaries do not link it
         // The caller's tensor is a transposed view of a buffer the model reads.
         let base = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));

@@ -21,6 +21,10 @@ use shardlab::prelude::*;
 shardlab::graders! {
     lesson: "12", exercise_file: "lessons/12_tensor_parallel/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["column_shard", "row_shard", "shardlab::tp", "TpMlp", "TpBlock"], &["shardlab::tp", "row_shard", "column_shard", "TpMlp", "TpBlock"], &["shardlab::tp", "row_shard", "column_shard", "TpMlp", "TpBlock", "TpGpt"], &["shardlab::tp", "TpGpt", "tp::vocab_parallel_cross_entropy"]];
+
     /// Deterministic values (sin waves: no shared random generator between rank threads).
     fn wave(shape: &[i64], k: f64, scale: f64) -> Tensor {
         let n: i64 = shape.iter().product();
@@ -54,6 +58,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_column_parallel_pieces_are_the_columns_of_y() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         let (n, i, o) = (5i64, 8i64, 12i64);
         let (x, w, b) = (wave(&[n, i], 0.53, 1.0), wave(&[o, i], 0.71, 0.5), wave(&[o], 1.3, 0.5));
         let want = linear_f64(&x, &w, &b);
@@ -71,6 +76,7 @@ shardlab::graders! {
 
     #[test]
     fn ex2_row_parallel_sums_partial_products_and_adds_the_bias_once() {
+        shardlab::grading::refuse_twins(GRADER, 2, TWINS[1]);
         let (n, i, o) = (5i64, 12i64, 6i64);
         for tp in [2usize, 3, 4, 1] {
             let out = spawn(tp, Backend::Local, move |pg| {
@@ -96,6 +102,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_tp_mlp_matches_one_process_with_two_all_reduces() {
+        shardlab::grading::refuse_twins(GRADER, 3, TWINS[2]);
         let (n, c) = (6i64, 8i64);
         let weights = move || [wave(&[4 * c, c], 0.71, 0.3), wave(&[4 * c], 1.3, 0.1), wave(&[c, 4 * c], 0.37, 0.3), wave(&[c], 2.1, 0.1)];
         let inputs = move || (wave(&[n, c], 0.53, 1.0), wave(&[n, c], 0.91, 1.0));
@@ -138,6 +145,7 @@ shardlab::graders! {
 
     #[test]
     fn ex4_vocab_parallel_loss_without_gathering_the_logits() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
         let (n, v) = (10i64, 48i64);
         let targets = || Tensor::from_slice(&[0i64, 5, 47, -1, 11, 30, 18, 1, -1, 24]);
         // Row 2 is shifted by +100: exp(100) overflows f32, so only a loss that subtracts the

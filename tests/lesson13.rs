@@ -15,6 +15,10 @@ use shardlab::pipeline::{Op, Schedule, Slot};
 shardlab::graders! {
     lesson: "13", exercise_file: "lessons/13_pipeline_parallel/exercise.rs";
 
+    /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
+    /// that names one is refused ("write it yourself").
+    const TWINS: &[&[&str]] = &[&["pipeline::schedule", "Schedule", "OneFOneB", "pipeline::interleaved", "ChunkOp"], &["simulate_plans", "simulate_chunks", "simulate_timed", "Timeline", "pipeline::simulate"], &["pipeline::partition", "executor::partition"]];
+
     fn f(i: usize) -> Op {
         Op::Forward(i)
     }
@@ -24,6 +28,7 @@ shardlab::graders! {
 
     #[test]
     fn ex1_one_f_one_b_in_megatrons_order() {
+        shardlab::grading::refuse_twins(GRADER, 1, TWINS[0]);
         // Written out by hand (Narayanan et al. 2021, fig. 4; Megatron-LM's schedule): p = 4, m = 8.
         assert_eq!(
             one_f_one_b(4, 8, 0),
@@ -41,7 +46,17 @@ shardlab::graders! {
             for m in 1..=9 {
                 for s in 0..p {
                     let ops = one_f_one_b(p, m, s);
-                    assert_eq!(ops, shardlab::pipeline::schedule(Schedule::OneFOneB, p, m, s), "p={p} m={m} stage {s}");
+                    // 1F1B as the lesson states it: min(p − s − 1, m) warm-up forwards, then a
+                    // forward and a backward in turn while forwards remain, then the backwards;
+                    // forwards and backwards each in micro-batch order.
+                    let warm = (p - s - 1).min(m);
+                    let mut want: Vec<Op> = (0..warm).map(f).collect();
+                    for i in 0..m - warm {
+                        want.push(f(warm + i));
+                        want.push(b(i));
+                    }
+                    want.extend((m - warm..m).map(b));
+                    assert_eq!(ops, want, "p={p} m={m} stage {s}");
                     let (mut held, mut peak) = (0i64, 0i64);
                     for o in &ops {
                         held += if matches!(o, Op::Forward(_)) { 1 } else { -1 };
@@ -59,6 +74,7 @@ shardlab::graders! {
 
     #[test]
     fn ex2_simulate_times_every_operation() {
+        shardlab::grading::refuse_twins(GRADER, 2, TWINS[1]);
         // p = 2, m = 2, GPipe, t_f = 1, t_b = 2, by hand: stage 0 F0 0–1, F1 1–2; stage 1 F0 1–2,
         // F1 2–3, B0 3–5, B1 5–7; stage 0 B0 5–7 (after stage 1's B0), B1 7–9.
         let got = simulate(&plans(Schedule::GPipe, 2, 2), 1.0, 2.0).unwrap_or_else(|e| panic!("GPipe p=2 m=2: {e}"));
@@ -92,6 +108,7 @@ shardlab::graders! {
 
     #[test]
     fn ex3_partition_is_contiguous_and_balanced() {
+        shardlab::grading::refuse_twins(GRADER, 3, TWINS[2]);
         assert_eq!(partition(6, 4).unwrap(), vec![0..2, 2..4, 4..5, 5..6], "6 stages on 4 ranks: 2, 2, 1, 1");
         assert_eq!(partition(4, 4).unwrap(), vec![0..1, 1..2, 2..3, 3..4]);
         assert_eq!(partition(7, 1).unwrap(), vec![0..7]);
@@ -99,7 +116,11 @@ shardlab::graders! {
             for r in 1..=n {
                 let parts = partition(n, r).unwrap();
                 assert_eq!(parts.len(), r, "{n} stages on {r} ranks: one piece per rank");
-                assert_eq!(parts, shardlab::pipeline::partition(n, r).unwrap(), "{n} stages on {r} ranks");
+                // Contiguous from 0 to n, sizes within one of each other, the larger first.
+                assert!(parts.first().map(|p| p.start) == Some(0) && parts.last().map(|p| p.end) == Some(n), "{n} stages on {r} ranks: {parts:?} must cover 0..{n}");
+                assert!(parts.windows(2).all(|w| w[0].end == w[1].start), "{n} stages on {r} ranks: {parts:?} must be contiguous");
+                let sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+                assert!(sizes.windows(2).all(|w| w[0] >= w[1]) && sizes[0] - sizes[r - 1] <= 1, "{n} stages on {r} ranks: sizes {sizes:?} must differ by at most one, the larger first");
             }
         }
         let e = partition(4, 5).expect_err("5 ranks for 4 stages: a rank would have nothing to run");

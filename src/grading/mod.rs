@@ -76,7 +76,9 @@ pub fn strict() -> bool {
 /// yourself") naming the first of `twins` (names or paths) found in the code of exercise `k`'s
 /// section of the learner's file (from its `/// Exercise k` line to the next exercise's) or of
 /// the lines before the first exercise (where a `use … as` would hide a twin), comments and
-/// string literals aside. Only the learner's copy is checked (the reference answers call none).
+/// string literals aside. A name matches as a whole word; one written `.name` matches a method
+/// call (`x.name(`), where the letter before the dot is the receiver's. Only the learner's copy
+/// is checked (the reference answers call none).
 pub fn refuse_twins(g: Grader, k: usize, twins: &[&str]) {
     if g.who != Who::Exercise {
         return;
@@ -96,7 +98,8 @@ pub fn refuse_twins(g: Grader, k: usize, twins: &[&str]) {
     let code = exercises::strip_comments_and_strings(&kept);
     let word = |t: &str| {
         code.match_indices(t).any(|(i, _)| {
-            let before = code[..i].chars().next_back().is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
+            let before =
+                t.starts_with('.') || code[..i].chars().next_back().is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
             let after = code[i + t.len()..].chars().next().is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
             before && after
         })
