@@ -148,7 +148,7 @@ fn sequence_parallelism_and_interleaving_change_memory_as_published() {
 
 /// Narayanan et al. 2021, Table 1 (`sim::validate`): TFLOP/s per GPU as they count them (their
 /// Eq. 3), predicted next to published. The target is 10% on each row; today's model is
-/// within 12% on every row (−11.5% to +4%, 3.7% on average): its GEMMs use one tile shape, where
+/// within 12% on every row (−11.7% to +3.8%, 3.8% on average): its GEMMs use one tile shape, where
 /// cuBLAS picks among several, so it overcounts wave quantization for some shapes (the 7.5B and
 /// 18.4B rows). This guards the figures lesson 15 prints and says the worst row.
 #[test]

@@ -13,6 +13,8 @@
 //! * [`model`] — a GPT's parameters, FLOPs, GEMM shapes and element-wise traffic per layer;
 //! * [`gemm`] — a GEMM's time by its shape (tile and wave quantization);
 //! * [`step`] — one step: the pipeline simulated, data parallelism and the optimizer added;
+//! * [`tp_comm`] — tensor parallelism's collectives in a step: every layer's, the embedding's,
+//!   the output layer's and the loss's;
 //! * [`search`] — every layout that fits, ranked by tokens/s;
 //! * [`validate`] — the published runs the simulator is checked against.
 
@@ -23,6 +25,7 @@ pub mod hardware;
 pub mod model;
 pub mod search;
 pub mod step;
+pub mod tp_comm;
 pub mod validate;
 
 pub use collective::{bus_bandwidth, Coll, Placement};

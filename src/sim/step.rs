@@ -9,9 +9,9 @@
 //!    1F1B, `pipeline::interleaved` for v > 1) through `pipeline::simulate_timed`; an operation
 //!    of a chunk of layers costs its GEMMs by their shapes (`sim::gemm`; a measured profile's
 //!    table and fused attention where it has them), its element-wise kernels at the memory
-//!    bandwidth, tensor parallelism's all-reduces (or sequence
-//!    parallelism's all-gathers and reduce-scatters) over the tp group, recomputation's forward,
-//!    and the send of its activations to the next virtual stage; the last chunk adds the output
+//!    bandwidth, tensor parallelism's collectives over the tp group (`sim::tp_comm`: every
+//!    layer's, the embedding's and the output layer's and loss's), recomputation's forward, and
+//!    the send of its activations to the next virtual stage; the last chunk adds the output
 //!    layer;
 //! 2. the data-parallel gradient reduction: an all-reduce (ZeRO-0) or a reduce-scatter and the
 //!    parameters' all-gather (ZeRO-1/2) after the last backward, exposed unless
@@ -25,6 +25,7 @@ use super::collective::{time, Coll, Placement};
 use super::gemm::Gemm;
 use super::hardware::Gpu;
 use super::model::Model;
+use super::tp_comm::TpComm;
 use crate::memory::{layer_activation_bytes, model_state_bytes_with, Recompute, TransformerShape};
 use crate::pipeline::{interleaved, schedule, simulate_timed, ChunkOp, Op, Schedule};
 use crate::precision::Precision;
@@ -246,14 +247,9 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
         Recompute::Full => layer_f,
     };
     let activation = b * (model.seq * model.hidden) as f64 * act;
-    // Two all-reduces of the layer's output forward and two backward (or, with sequence
-    // parallelism, an all-gather and a reduce-scatter in their place).
-    let tp_one = if l.sequence_parallel {
-        time(gpu, Coll::AllGather, activation, tp_at) + time(gpu, Coll::ReduceScatter, activation, tp_at)
-    } else {
-        time(gpu, Coll::AllReduce, activation, tp_at)
-    };
-    let (tp_f, tp_b) = (2.0 * tp_one, 2.0 * tp_one + if l.recompute == Recompute::Full { 2.0 * tp_one } else { 0.0 });
+    // Tensor parallelism's collectives: every layer's, the embedding's and the head's (`tp_comm`).
+    let tp_comm =
+        TpComm::new(gpu, activation, b * model.seq as f64, tp_at, l.sequence_parallel, l.recompute == Recompute::Full);
     // A chunk's activations to the next virtual stage, on NVLink when the two pipeline ranks
     // share a node (ranks tp·dp apart), else a NIC. Each tp rank sends its 1/tp: with sequence
     // parallelism that is what it holds; without, Megatron's scatter-gather all-gathers it on the
@@ -278,7 +274,7 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
         Op::Forward(_) => layers * layer_f + if k + 1 == vs { logits_f } else { 0.0 },
         Op::Backward(_) => layers * (layer_b + recompute) + accumulate + if k + 1 == vs { logits_b } else { 0.0 },
     };
-    let tp_of = |op: Op| layers * if matches!(op, Op::Forward(_)) { tp_f } else { tp_b };
+    let tp_of = |k: usize, op: Op| tp_comm.of(layers, k, vs, matches!(op, Op::Forward(_)));
     let send_of = |k: usize, op: Op| match op {
         Op::Forward(_) if k + 1 < vs => send_between(k),
         Op::Backward(_) if k > 0 => send_between(k - 1),
@@ -291,7 +287,7 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     } else {
         (0..pp).map(|r| interleaved(pp, v, m, r)).collect::<Result<_, _>>()?
     };
-    let timeline = simulate_timed(&plans, v, |k, op| compute_of(k, op) + tp_of(op) + send_of(k, op))?;
+    let timeline = simulate_timed(&plans, v, |k, op| compute_of(k, op) + tp_of(k, op) + send_of(k, op))?;
     let makespan = timeline.makespan();
 
     // The busiest rank's work: the last pipeline rank holds the output layer.
@@ -302,7 +298,7 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
         for o in plan {
             let k = o.chunk * pp + r;
             s.compute += compute_of(k, o.op);
-            s.tp_comm += tp_of(o.op);
+            s.tp_comm += tp_of(k, o.op);
             s.pp_comm += send_of(k, o.op);
         }
         if s.compute + s.tp_comm + s.pp_comm >= busiest {
