@@ -371,3 +371,69 @@ fn the_extraction_finds_commands() {
     assert!(is_placeholder("N") && is_placeholder("NN") && is_placeholder("<file>"));
     assert!(!is_placeholder("64M") && !is_placeholder("4K,1M") && !is_placeholder("2"));
 }
+
+/// The lessons the README's course table marks ready (its last column starts with "ready").
+fn ready_lessons() -> BTreeSet<u32> {
+    let readme = fs::read_to_string(root().join("README.md")).unwrap();
+    readme
+        .lines()
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            // "| NN | lesson | … | status |": empty first and last cells around the row.
+            let nn = cells.get(1)?.parse::<u32>().ok()?;
+            let status = cells.get(cells.len().checked_sub(2)?)?;
+            status.starts_with("ready").then_some(nn)
+        })
+        .collect()
+}
+
+/// Where `text` calls lesson NN "planned": "lesson NN, planned", "(lesson NN planned)",
+/// "lesson NN is planned", "[NN title](…) (planned)" — "planned" within a clause after the
+/// lesson's number (a clause ends at ". " or "; ").
+fn planned_lessons(text: &str) -> Vec<(u32, String)> {
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut out = Vec::new();
+    for (i, _) in flat.match_indices("planned") {
+        let start = flat[..i].char_indices().rev().nth(60).map_or(0, |(j, _)| j);
+        let before = &flat[start..i];
+        // The clause the word is in: back to the last sentence or list break.
+        let cut = [". ", "; "].iter().filter_map(|b| before.rfind(b).map(|j| j + b.len())).max().unwrap_or(0);
+        let clause = &before[cut..];
+        let number = |s: &str| s.chars().take_while(char::is_ascii_digit).collect::<String>().parse::<u32>().ok();
+        let mut found =
+            clause.match_indices("lesson ").filter_map(|(j, m)| number(&clause[j + m.len()..])).collect::<Vec<_>>();
+        found.extend(clause.match_indices('[').filter_map(|(j, _)| number(&clause[j + 1..])));
+        for nn in found {
+            out.push((nn, format!("…{}planned…", &flat[start..i])));
+        }
+    }
+    out
+}
+
+#[test]
+fn no_text_calls_a_ready_lesson_planned() {
+    let ready = ready_lessons();
+    assert!(ready.len() >= 14, "the course table should mark lessons 00–14 ready: {ready:?}");
+    let mut stale = Vec::new();
+    for (path, text) in documents() {
+        for (nn, at) in planned_lessons(&text) {
+            if ready.contains(&nn) {
+                stale.push(format!(
+                    "{}: calls lesson {nn:02} planned, the course table says ready: {at}",
+                    path.display()
+                ));
+            }
+        }
+    }
+    assert!(stale.is_empty(), "stale text:\n{}", stale.join("\n"));
+}
+
+#[test]
+fn the_planned_check_finds_what_it_should() {
+    let hits = |t: &str| planned_lessons(t).into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+    assert_eq!(hits("an elastic restart (lesson 10, planned)."), vec![10]);
+    assert_eq!(hits("via `ProcessGroup::from_env` (lesson 11,\nplanned)."), vec![11]);
+    assert_eq!(hits("* **[15 scaling out on paper](../15_scaling_out/README.md) (planned).**"), vec![15]);
+    assert_eq!(hits("lesson 12 builds it. Deferred initialisation is planned."), Vec::<u32>::new());
+    assert_eq!(hits("the bytes lesson 14 planned per rank"), vec![14], "a false alarm a reader can reword");
+}
