@@ -290,7 +290,8 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     let timeline = simulate_timed(&plans, v, |k, op| compute_of(k, op) + tp_of(k, op) + send_of(k, op))?;
     let makespan = timeline.makespan();
 
-    // The busiest rank's work: the last pipeline rank holds the output layer.
+    // The busiest rank's work: the first pipeline rank holds the embedding, the last the output
+    // layer and the loss.
     let mut split = Split::default();
     let mut busiest = 0.0;
     for (r, plan) in plans.iter().enumerate() {

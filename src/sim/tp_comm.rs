@@ -5,16 +5,21 @@
 //!   backward (f) — with sequence parallelism an all-gather and a reduce-scatter of the same b·s·h
 //!   activation in place of each all-reduce; full recomputation repeats the forward's two;
 //! * the vocabulary-parallel embedding (first virtual stage): its output summed over the ranks'
-//!   vocabulary slices, an all-reduce forward (a reduce-scatter with sequence parallelism); its
-//!   backward needs none;
+//!   vocabulary slices, an all-reduce forward; with sequence parallelism a reduce-scatter forward
+//!   and its all-gather backward;
 //! * the output layer and the loss (last virtual stage): with sequence parallelism the final
 //!   activation gathered forward; the vocabulary-parallel cross-entropy's three all-reduces of one
 //!   fp32 number a token (the logits' max, the sum of their exponentials, the target's logit); and
 //!   the head's input gradient summed backward (all-reduce, or reduce-scatter with sequence
 //!   parallelism).
 //!
-//! Bytes for one micro-batch of b sequences of s tokens, width h, 16-bit activations: each
-//! activation collective moves 2·b·s·h, the loss's 4·b·s each.
+//! Not charged: with sequence parallelism, the backward's re-gather of each LayerNorm output for
+//! the weight gradients (Megatron overlaps it with the input gradient's GEMM); the LayerNorm and
+//! bias gradients' small all-reduces over tp; the tied embedding's gradient between the first and
+//! last pipeline ranks; the optimizer's one small agreement all-reduce.
+//!
+//! Bytes for one micro-batch of b sequences of s tokens, width h: each activation collective moves
+//! b·s·h elements of the activation's precision (2 or 4 bytes), the loss's 4·b·s bytes each.
 
 use super::collective::{time, Coll, Placement};
 use super::hardware::Gpu;
@@ -26,8 +31,9 @@ pub struct TpComm {
     /// One layer's forward and backward (backward includes full recomputation's repeat).
     pub layer_forward: f64,
     pub layer_backward: f64,
-    /// The embedding's forward (first virtual stage).
+    /// The embedding's forward and backward (first virtual stage).
     pub embedding_forward: f64,
+    pub embedding_backward: f64,
     /// The output layer and loss: forward and backward (last virtual stage).
     pub head_forward: f64,
     pub head_backward: f64,
@@ -59,6 +65,7 @@ impl TpComm {
             layer_forward: 2.0 * one,
             layer_backward: 2.0 * one + if full_recompute { 2.0 * one } else { 0.0 },
             embedding_forward: sum,
+            embedding_backward: if sequence_parallel { gather } else { 0.0 },
             head_forward: if sequence_parallel { gather } else { 0.0 } + loss,
             head_backward: sum,
         }
@@ -72,7 +79,9 @@ impl TpComm {
                 + if first { self.embedding_forward } else { 0.0 }
                 + if last { self.head_forward } else { 0.0 }
         } else {
-            layers * self.layer_backward + if last { self.head_backward } else { 0.0 }
+            layers * self.layer_backward
+                + if first { self.embedding_backward } else { 0.0 }
+                + if last { self.head_backward } else { 0.0 }
         }
     }
 }
@@ -91,7 +100,7 @@ mod tests {
         let loss = time(&gpu, Coll::AllReduce, 4.0 * tokens, at);
         let c = TpComm::new(&gpu, act, tokens, at, false, false);
         // 10 layers on each of 4 virtual stages: every stage 4 all-reduces a layer; the first adds
-        // the embedding's forward all-reduce, the last the loss's three forward and the head's
+        // the embedding's forward all-reduce (nothing backward), the last the loss's three forward and the head's
         // input gradient backward.
         let middle = c.of(10.0, 1, 4, true);
         assert!((middle - 20.0 * ar).abs() < 1e-12 * middle);
@@ -109,6 +118,10 @@ mod tests {
         let sp = TpComm::new(&gpu, act, tokens, at, true, false);
         let (ag, rs) = (time(&gpu, Coll::AllGather, act, at), time(&gpu, Coll::ReduceScatter, act, at));
         assert!((sp.embedding_forward - rs).abs() < 1e-15 && (sp.head_forward - ag - 3.0 * loss).abs() < 1e-12);
+        assert!(
+            (sp.of(10.0, 0, 4, false) - sp.of(10.0, 1, 4, false) - ag).abs() < 1e-12,
+            "the embedding's reduce-scatter is gathered back in backward"
+        );
         assert!((sp.layer_forward - 2.0 * (ag + rs)).abs() < 1e-12);
         // Full recomputation repeats the forward's two in backward; one rank has no tp group.
         assert!((TpComm::new(&gpu, act, tokens, at, false, true).layer_backward - 4.0 * ar).abs() < 1e-12);
