@@ -19,7 +19,7 @@ shardlab::graders! {
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["DistributedSampler", ".local_batch", ".local_offsets", "ddp::micro_batches", "comm::segment", "algo::segment", "owned_range"], &["broadcast_params", "assign_buckets", "DdpNaive", "DdpBucketed", "shardlab::ddp"], &["shardlab::ddp", "ddp::average_gradients", "naive::average_gradients", "DdpNaive", "DdpBucketed", "DataParallel"], &["shardlab::ddp", "DataParallel", "DdpNaive", "DdpBucketed", "train_step", "train_step_scaled", "Trainer"]];
+    const TWINS: &[&[&str]] = &[&["DistributedSampler", ".local_batch", ".local_offsets", "ddp::micro_batches", "comm::segment", "algo::segment", "plan::owned_range"], &["params::broadcast_params", "ddp::assign_buckets", "DdpNaive", "DdpBucketed", "shardlab::ddp"], &["shardlab::ddp", "ddp::average_gradients", "naive::average_gradients", "DdpNaive", "DdpBucketed", "DataParallel"], &["shardlab::ddp", "DataParallel", "DdpNaive", "DdpBucketed", "train_step", "train_step_scaled", "Trainer"]];
 
     const GLOBAL: usize = 12;
     const STEPS: u64 = 3;

@@ -17,7 +17,7 @@ shardlab::graders! {
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["BFloat16", "half::bf16", "half::f16"], &["Sgd", "shardlab::optim"], &["GradScaler"], &["GradScaler", "NonFinite", "optimizer_step", ".unscale"]];
+    const TWINS: &[&[&str]] = &[&["BFloat16", "half::bf16", "half::f16"], &["Sgd", "shardlab::optim"], &["GradScaler"], &["GradScaler", "optim::NonFinite", "optim::optimizer_step", ".unscale"]];
 
     /// libtorch's own f32 → bf16 conversion (round to nearest, ties to even), as raw bits.
     fn libtorch_bf16_bits(xs: &[f32]) -> Vec<u16> {

@@ -21,7 +21,7 @@ shardlab::graders! {
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["forward_backward", "forward_only", "staged_backward", "AccumulateGrads", "StageHooks", "shardlab::stages"], &["forward_backward", "forward_only", "staged_backward", "AccumulateGrads", "StageHooks", "shardlab::stages"], &[], &[]];
+    const TWINS: &[&[&str]] = &[&["stages::forward_backward", "stages::forward_only", "staged_backward", "AccumulateGrads", "StageHooks", "shardlab::stages"], &["stages::forward_backward", "stages::forward_only", "staged_backward", "AccumulateGrads", "StageHooks", "shardlab::stages"], &[], &[]];
 
     /// A model that counts its stage forwards and records, per call, whether the output carries a
     /// graph and whether the next stage's parameters already have gradients (has its backward run?).

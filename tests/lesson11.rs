@@ -26,7 +26,7 @@ shardlab::graders! {
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["flops::mfu", "flops::flops_per_token", "matmul_params", "shardlab::flops"], &["nccl::share_unique_id", "comm::nccl", "UniqueId"], &["staging::stage", "comm::staging", "output_buffer"], &["staging::unstage", "comm::staging"], &[]];
+    const TWINS: &[&[&str]] = &[&["flops::mfu", "flops::flops_per_token", "flops::matmul_params", "shardlab::flops"], &["nccl::share_unique_id", "comm::nccl", "nccl::UniqueId"], &["staging::stage", "comm::staging", "staging::output_buffer"], &["staging::unstage", "comm::staging"], &[]];
 
     /// Parameters that multiply activations, counted from a built model's tensors: all of them
     /// but the position embedding (`wpe`); the tied output head is the token embedding's tensor.

@@ -23,7 +23,7 @@ shardlab::graders! {
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["column_shard", "row_shard", "shardlab::tp", "TpMlp", "TpBlock"], &["shardlab::tp", "row_shard", "column_shard", "TpMlp", "TpBlock"], &["shardlab::tp", "row_shard", "column_shard", "TpMlp", "TpBlock", "TpGpt"], &["shardlab::tp", "TpGpt", "tp::vocab_parallel_cross_entropy"]];
+    const TWINS: &[&[&str]] = &[&["tp::column_shard", "tp::row_shard", "shardlab::tp", "TpMlp", "TpBlock"], &["shardlab::tp", "tp::row_shard", "tp::column_shard", "TpMlp", "TpBlock"], &["shardlab::tp", "tp::row_shard", "tp::column_shard", "TpMlp", "TpBlock", "TpGpt"], &["shardlab::tp", "TpGpt", "tp::vocab_parallel_cross_entropy"]];
 
     /// Deterministic values (sin waves: no shared random generator between rank threads).
     fn wave(shape: &[i64], k: f64, scale: f64) -> Tensor {

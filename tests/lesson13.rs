@@ -17,7 +17,7 @@ shardlab::graders! {
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["pipeline::schedule", "Schedule", "OneFOneB", "pipeline::interleaved", "ChunkOp"], &["simulate_plans", "simulate_chunks", "simulate_timed", "Timeline", "pipeline::simulate"], &["pipeline::partition", "executor::partition"]];
+    const TWINS: &[&[&str]] = &[&["pipeline::schedule", "Schedule", "OneFOneB", "pipeline::interleaved", "ChunkOp"], &["simulate_plans", "simulate_chunks", "simulate_timed", "pipeline::Timeline", "pipeline::simulate"], &["pipeline::partition", "executor::partition"]];
 
     fn f(i: usize) -> Op {
         Op::Forward(i)

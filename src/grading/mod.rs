@@ -106,8 +106,9 @@ pub fn refuse_twins(g: Grader, k: usize, twins: &[&str]) {
     };
     if let Some(t) = twins.iter().find(|t| word(t)) {
         panic!(
-            "write it yourself: your exercise {k} calls `{t}`, shardlab's own copy (or a library's) of what this \
-             exercise asks you to build"
+            "write it yourself: your exercise {k} names `{t}`, shardlab's own copy (or a library's) of what this \
+             exercise asks you to build. (If `{t}` is a helper or variable of your own, rename it; the lines above \
+             exercise 1 count for every exercise.)"
         );
     }
 }
