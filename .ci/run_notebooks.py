@@ -25,11 +25,17 @@ os.environ["JUPYTER_PATH"] = os.path.join(ROOT, ".jupyter")
 BAD_STDERR = ("panicked", "Child process terminated", "error[E", "Segmentation fault")
 
 
+SHOWS = (".show()", "show_svg(", "show_all(")
+
+
 def problems(nb):
     out = []
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
+        images = sum("image/svg+xml" in o.get("data", {}) for o in cell.get("outputs", []))
+        if any(s in cell.source for s in SHOWS) and images == 0:
+            out.append(f"cell {i} draws a chart but its outputs hold no image")
         for o in cell.get("outputs", []):
             if o.output_type == "error":
                 tb = "\n".join(o.get("traceback", []))

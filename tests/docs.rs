@@ -437,3 +437,129 @@ fn the_planned_check_finds_what_it_should() {
     assert_eq!(hits("lesson 12 builds it. Deferred initialisation is planned."), Vec::<u32>::new());
     assert_eq!(hits("the bytes lesson 14 planned per rank"), vec![14], "a false alarm a reader can reword");
 }
+
+/// Each notebook code cell's source.
+fn notebook_cells() -> Vec<(PathBuf, usize, String)> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(root().join("notebooks")).unwrap().flatten() {
+        let p = e.path();
+        if p.extension().is_none_or(|x| x != "ipynb") {
+            continue;
+        }
+        let nb: serde_json::Value = serde_json::from_str(&fs::read_to_string(&p).unwrap()).unwrap();
+        for (i, cell) in nb["cells"].as_array().into_iter().flatten().enumerate() {
+            if cell["cell_type"] != "code" {
+                continue;
+            }
+            let s = match &cell["source"] {
+                serde_json::Value::Array(lines) => lines.iter().filter_map(|l| l.as_str()).collect::<String>(),
+                other => other.as_str().unwrap_or("").to_string(),
+            };
+            out.push((p.clone(), i, s));
+        }
+    }
+    out
+}
+
+/// Why a cell would lose a chart, or None. evcxr keeps one image per cell (its outputs are a map
+/// by MIME type), so a second `.show()` / `show_svg(…)` in a cell, or one inside a loop, replaces
+/// the image before it; `plot::show_all` stacks several charts into one image.
+fn loses_a_chart(src: &str) -> Option<String> {
+    // Code only: string literals and comments blanked, so their braces and words do not count.
+    let b = src.as_bytes();
+    let mut code = String::with_capacity(src.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'/' && b.get(i + 1) == Some(&b'/') {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+        } else if b[i] == b'r' && matches!(b.get(i + 1), Some(b'#') | Some(b'"')) {
+            let hashes = b[i + 1..].iter().take_while(|&&c| c == b'#').count();
+            if b.get(i + 1 + hashes) != Some(&b'"') {
+                code.push('r');
+                i += 1;
+                continue;
+            }
+            let close = format!("\"{}", "#".repeat(hashes));
+            let body = i + 2 + hashes;
+            i = src[body..].find(&close).map_or(b.len(), |j| body + j + close.len());
+            code.push_str("\"\"");
+        } else if b[i] == b'"' {
+            i += 1;
+            while i < b.len() && b[i] != b'"' {
+                i += if b[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+            code.push_str("\"\"");
+        } else if b[i] == b'\'' && b.get(i + 2) == Some(&b'\'') {
+            // A char literal such as '{'.
+            i += 3;
+            code.push_str("' '");
+        } else {
+            let c = src[i..].chars().next().unwrap();
+            code.push(c);
+            i += c.len_utf8();
+        }
+    }
+    let shows: Vec<usize> = [".show()", "show_svg(", "show_all("]
+        .iter()
+        .flat_map(|m| code.match_indices(m).map(|(j, _)| j).collect::<Vec<_>>())
+        .collect();
+    if shows.len() > 1 {
+        return Some(format!("{} charts shown: evcxr keeps only the last", shows.len()));
+    }
+    let &at = shows.first()?;
+    // Is the call inside a loop's body? Walk the braces up to it; a block opened after `for`,
+    // `while`, `loop` or `for_each` (since the previous `;`, `{` or `}`) is a loop body.
+    let mut open: Vec<bool> = Vec::new();
+    let mut clause = String::new();
+    for c in code[..at].chars() {
+        match c {
+            '{' => {
+                let words: Vec<&str> =
+                    clause.split(|c: char| !(c.is_alphanumeric() || c == '_')).filter(|w| !w.is_empty()).collect();
+                open.push(words.iter().any(|w| matches!(*w, "for" | "while" | "loop" | "for_each")));
+                clause.clear();
+            }
+            '}' => {
+                open.pop();
+                clause.clear();
+            }
+            ';' => clause.clear(),
+            c => clause.push(c),
+        }
+    }
+    open.contains(&true).then(|| "a chart is shown inside a loop: evcxr keeps only the last one".to_string())
+}
+
+#[test]
+fn every_notebook_chart_is_kept() {
+    let mut lost = Vec::new();
+    let mut cells_with_charts = 0;
+    for (path, i, src) in notebook_cells() {
+        if src.contains(".show()") || src.contains("show_svg(") || src.contains("show_all(") {
+            cells_with_charts += 1;
+        }
+        if let Some(why) = loses_a_chart(&src) {
+            lost.push(format!(
+                "{} cell {i}: {why}; stack them with shardlab::plot::show_all",
+                path.strip_prefix(root()).unwrap_or(&path).display()
+            ));
+        }
+    }
+    assert!(cells_with_charts >= 20, "the notebooks draw charts: found {cells_with_charts} cells");
+    assert!(lost.is_empty(), "charts a notebook would lose:\n{}", lost.join("\n"));
+}
+
+#[test]
+fn the_chart_check_finds_what_it_should() {
+    assert_eq!(loses_a_chart("let c = 1;\nc.show();"), None);
+    assert!(loses_a_chart("a.show();\nb.show();").is_some(), "two charts in a cell");
+    assert!(loses_a_chart("for r in &rows {\n    plot::show_svg(&svg(r));\n}").is_some(), "a chart per row");
+    assert!(loses_a_chart("rows.iter().for_each(|r| { svg(r).show() });").is_some());
+    assert_eq!(loses_a_chart("for r in &rows { v.push(r) }\nchart(&v).show();"), None, "after the loop");
+    assert_eq!(loses_a_chart("println!(\"for {} x\", 1); // a.show()\nb.show();"), None, "strings and comments");
+    assert_eq!(loses_a_chart("let s = r#\"for {\"#;\nif ok { b.show(); }"), None, "raw strings");
+    assert_eq!(loses_a_chart("plot::show_all(&[a.svg(), b.svg()]);"), None);
+}

@@ -10,9 +10,11 @@ use plotters::prelude::*;
 
 mod bar;
 mod line;
+mod stack;
 
 pub use bar::BarChart;
 pub use line::LineChart;
+pub use stack::{show_all, stack};
 
 const W: u32 = 720;
 const H: u32 = 380;
@@ -255,6 +257,9 @@ pub fn timeline_svg(title: &str, rows: &[Vec<(f64, f64, usize, bool)>]) -> Strin
 }
 
 /// Print an SVG so that evcxr shows it as an image.
+///
+/// evcxr keeps one image per cell: a second `show` in the same cell replaces the first. To show
+/// several charts from one cell, stack them into one image with [`show_all`].
 pub fn show_svg(svg: &str) {
     println!("EVCXR_BEGIN_CONTENT image/svg+xml\n{svg}\nEVCXR_END_CONTENT");
 }
