@@ -237,6 +237,19 @@ shardlab::graders! {
         let mut col = m.narrow(1, 1, 1);
         unstage(&mut col, &Tensor::ones([3, 1], (Kind::BFloat16, Device::Cpu)));
         assert_eq!(values(&m.sum_dim_intlist([0].as_slice(), false, Kind::Float)), vec![0.0, 3.0, 0.0], "only the column");
+        // A parameter (a leaf that requires grad), as when broadcast weights come back: the copy is
+        // not part of the model's computation, so autograd must not record it (libtorch refuses an
+        // in-place write to such a leaf while it records).
+        let mut p = Tensor::zeros([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let back = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
+        let wrote = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unstage(&mut p, &back)));
+        assert!(
+            wrote.is_ok(),
+            "unstage into a parameter (a leaf that requires grad) failed: the copy back must not be recorded by \
+             autograd (see the hints)"
+        );
+        assert_eq!(values(&p.detach()), vec![1.0, 2.0, 3.0], "the parameter must hold the result");
+        assert!(p.requires_grad() && p.is_leaf(), "the parameter must stay a leaf that requires grad");
         if let Some(gpu) = cuda() {
             let g = Tensor::zeros([4], (Kind::Float, gpu));
             let mut gv = g.shallow_clone();
