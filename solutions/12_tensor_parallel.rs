@@ -2,7 +2,7 @@
 //! Same signatures as `lessons/12_tensor_parallel/exercise.rs`; graded by `tests/lesson12.rs`.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
-use shardlab::comm::{CommResult, ProcessGroup, ReduceOp};
+use shardlab::comm::{CommError, CommResult, ProcessGroup, ReduceOp};
 use tch::{Kind, Tensor};
 
 /// Exercise 1 — a column-parallel linear layer. `w` (out, in) and `b` (out,) are the whole
@@ -90,4 +90,49 @@ pub fn vocab_parallel_cross_entropy(pg: &ProcessGroup, logits: &Tensor, targets:
     let onehot = z.zeros_like().scatter_value(1, &idx, 1.0) * mine.unsqueeze(1);
     let grad = (e / sum.unsqueeze(1) - onehot) * valid.unsqueeze(1) / count;
     Ok((loss, grad))
+}
+
+/// Exercise 5 — causal self-attention split by heads over `pg` (t ranks), forward only. `x` (B, T,
+/// C) is the whole input, the same on every rank. `w_attn` (3C, C) and `b_attn` (3C,) are the
+/// whole `c_attn` (nanoGPT's layout: the q rows, then the k rows, then the v rows, C each; head h
+/// is rows h·C/n_head … of each); `w_proj` (C, C) and `b_proj` (C,) the whole `attn.c_proj`.
+/// This rank computes n_head/t of the heads and returns the whole attention output (B, T, C), the
+/// same on every rank and equal to one process's, with exactly one all-reduce. When `n_head` does
+/// not divide by t (or C by `n_head`), return `CommError::InvalidArgument` on every rank without
+/// communicating.
+pub fn tp_attention(
+    pg: &ProcessGroup,
+    x: &Tensor,
+    w_attn: &Tensor,
+    b_attn: &Tensor,
+    w_proj: &Tensor,
+    b_proj: &Tensor,
+    n_head: i64,
+) -> CommResult<Tensor> {
+    let (t, r) = (pg.world_size() as i64, pg.rank() as i64);
+    let s = x.size();
+    let (bsz, tt, c) = (s[0], s[1], s[2]);
+    if n_head <= 0 || n_head % t != 0 || c % n_head != 0 {
+        return Err(CommError::InvalidArgument(format!(
+            "{n_head} heads of a width-{c} model do not split over {t} tensor-parallel ranks"
+        )));
+    }
+    let hs = c / n_head; // the head size
+    let h = n_head / t; // this rank's heads
+    let cols = h * hs; // C/t: its rows of each of q, k and v, its columns of c_proj
+                       // c_attn is three blocks of C rows: this rank's heads are rows r·C/t … of each block, not
+                       // rows r·3C/t … of the whole matrix (that would be all of q and part of k at t = 2).
+    let w = w_attn.reshape([3, c, c]).narrow(1, r * cols, cols).reshape([3 * cols, c]);
+    let b = b_attn.reshape([3, c]).narrow(1, r * cols, cols).reshape([3 * cols]);
+    let qkv = x.linear(&w, Some(&b)); // (B, T, 3C/t)
+    let heads = |i: i64| qkv.narrow(2, i * cols, cols).reshape([bsz, tt, h, hs]).transpose(1, 2); // (B, h, T, hs)
+    let (q, k, v) = (heads(0), heads(1), heads(2));
+    let scores = q.matmul(&k.transpose(-2, -1)) / (hs as f64).sqrt(); // (B, h, T, T)
+    let future = Tensor::ones([tt, tt], (Kind::Bool, x.device())).triu(1);
+    let att = scores.masked_fill(&future, f64::NEG_INFINITY).softmax(-1, Kind::Float);
+    let y = att.matmul(&v).transpose(1, 2).reshape([bsz, tt, cols]); // (B, T, C/t)
+                                                                     // Row-parallel c_proj: this rank's heads' columns give a partial (B, T, C); sum, then the bias once.
+    let mut out = y.linear::<Tensor>(&w_proj.narrow(1, r * cols, cols), None);
+    pg.all_reduce(&mut out, ReduceOp::Sum)?;
+    Ok(out + b_proj)
 }

@@ -7,8 +7,9 @@
 //!
 //! References: the linear layers against a plain f64 product written with `ndarray` (no libtorch,
 //! so nothing of the code under test is reused); the MLP and the loss against libtorch's autograd
-//! and `cross_entropy` on one process with the whole weights. Communication is read from the
-//! group's own counters.
+//! and `cross_entropy` on one process with the whole weights; attention against nanoGPT's written
+//! out here (and checked against libtorch's `scaled_dot_product_attention`). Communication is read
+//! from the group's own counters.
 
 #[path = "../lessons/12_tensor_parallel/exercise.rs"]
 mod exercise_code;
@@ -23,7 +24,7 @@ shardlab::graders! {
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["tp::column_shard", "tp::row_shard", "shardlab::tp", "TpMlp", "TpBlock"], &["shardlab::tp", "tp::row_shard", "tp::column_shard", "TpMlp", "TpBlock"], &["shardlab::tp", "tp::row_shard", "tp::column_shard", "TpMlp", "TpBlock", "TpGpt"], &["shardlab::tp", "TpGpt", "tp::vocab_parallel_cross_entropy"]];
+    const TWINS: &[&[&str]] = &[&["tp::column_shard", "tp::row_shard", "shardlab::tp", "TpMlp", "TpBlock"], &["shardlab::tp", "tp::row_shard", "tp::column_shard", "TpMlp", "TpBlock"], &["shardlab::tp", "tp::row_shard", "tp::column_shard", "TpMlp", "TpBlock", "TpGpt"], &["shardlab::tp", "TpGpt", "tp::vocab_parallel_cross_entropy"], &["shardlab::tp", "TpBlock", "TpGpt", "tp::column_shard", "tp::row_shard", "tp::shard"]];
 
     /// Deterministic values (sin waves: no shared random generator between rank threads).
     fn wave(shape: &[i64], k: f64, scale: f64) -> Tensor {
@@ -93,8 +94,26 @@ shardlab::graders! {
             let want = linear_f64(&x, &w, &b);
             for (rank, (y, size, ar, coll, p2p)) in out.into_iter().enumerate() {
                 assert_eq!(size, vec![n, o], "tp={tp} rank {rank}: y is the whole (N, out) on every rank");
-                let d = worst(&Tensor::from_slice(&y).reshape([n, o]), &want);
-                assert!(d < 1e-5, "tp={tp} rank {rank}: y differs from x·wᵀ + b by {d} (the partial products summed, the bias added once)");
+                let y = Tensor::from_slice(&y).reshape([n, o]);
+                let d = worst(&y, &want);
+                if d >= 1e-5 {
+                    // Name the two usual mistakes: the bias added by every rank, the partials not summed.
+                    let k = i / tp as i64;
+                    let bias: Vec<f64> = Vec::<f64>::try_from(b.to_kind(Kind::Double)).unwrap();
+                    let mut t_biases = want.clone();
+                    for mut row in t_biases.rows_mut() {
+                        row.iter_mut().zip(&bias).for_each(|(v, b)| *v += (tp as f64 - 1.0) * b);
+                    }
+                    let own = linear_f64(&x.narrow(1, rank as i64 * k, k), &w.narrow(1, rank as i64 * k, k), &b);
+                    let why = if worst(&y, &t_biases) < 1e-5 {
+                        format!("the bias was added {tp} times: every rank added it before the sum; add it once, after the all-reduce")
+                    } else if worst(&y, &own) < 1e-5 {
+                        "this is the rank's own partial product plus the bias: the partial products were not summed over the group".to_string()
+                    } else {
+                        "the partial products summed, the bias added once".to_string()
+                    };
+                    panic!("tp={tp} rank {rank}: y differs from x·wᵀ + b by {d}: {why}");
+                }
                 assert!(ar == 1 && coll == 1 && p2p == 0, "tp={tp} rank {rank}: one all-reduce and nothing else, got {ar} all-reduces, {coll} collectives, {p2p} sends/recvs");
             }
         }
@@ -181,6 +200,110 @@ shardlab::graders! {
                 let logits_bytes = (n * vl * 4) as u64;
                 assert!(tp == 1 || sent < logits_bytes / 2, "tp={tp} rank {r}: sent {sent} bytes — a rank's logits are {logits_bytes}; all-reduce only one number per row at a time");
             }
+        }
+    }
+
+    /// One process's causal self-attention (nanoGPT's `CausalSelfAttention`, written out here):
+    /// q, k, v from the whole c_attn, `n_head` heads, scores ÷ `scale` (√(head size) when right),
+    /// future positions masked when `causal`, then the whole c_proj.
+    fn attention_ref(x: &Tensor, w: &[Tensor; 4], n_head: i64, scale: f64, causal: bool) -> Tensor {
+        let (b, t, c) = x.size3().unwrap();
+        let hs = c / n_head;
+        let qkv = x.linear(&w[0], Some(&w[1]));
+        let head = |i: i64| qkv.narrow(2, i * c, c).reshape([b, t, n_head, hs]).transpose(1, 2);
+        let mut att = head(0).matmul(&head(1).transpose(-2, -1)) / scale;
+        if causal {
+            let future = Tensor::ones([t, t], (Kind::Bool, Device::Cpu)).triu(1);
+            att = att.masked_fill(&future, f64::NEG_INFINITY);
+        }
+        let y = att.softmax(-1, Kind::Float).matmul(&head(2)).transpose(1, 2).reshape([b, t, c]);
+        y.linear(&w[2], Some(&w[3]))
+    }
+
+    /// The sum over t ranks when each takes rows r·3C/t … of the fused c_attn as if they were its
+    /// q, k and v (the mistake the README warns about), for naming it when it happens.
+    fn fused_split_ref(x: &Tensor, w: &[Tensor; 4], n_head: i64, tp: i64) -> Tensor {
+        let (b, t, c) = x.size3().unwrap();
+        let (hs, cols) = (c / n_head, c / tp);
+        let h = cols / hs;
+        let mut out = w[3].shallow_clone() * 1.0;
+        for r in 0..tp {
+            let qkv = x.linear(&w[0].narrow(0, r * 3 * cols, 3 * cols), Some(&w[1].narrow(0, r * 3 * cols, 3 * cols)));
+            let head = |i: i64| qkv.narrow(2, i * cols, cols).reshape([b, t, h, hs]).transpose(1, 2);
+            let future = Tensor::ones([t, t], (Kind::Bool, Device::Cpu)).triu(1);
+            let att = (head(0).matmul(&head(1).transpose(-2, -1)) / (hs as f64).sqrt()).masked_fill(&future, f64::NEG_INFINITY);
+            let y = att.softmax(-1, Kind::Float).matmul(&head(2)).transpose(1, 2).reshape([b, t, cols]);
+            out = out + y.linear::<Tensor>(&w[2].narrow(1, r * cols, cols), None);
+        }
+        out
+    }
+
+    #[test]
+    fn ex5_attention_split_by_heads_matches_one_process() {
+        shardlab::grading::refuse_twins(GRADER, 5, TWINS[4]);
+        let (b, t, c) = (2i64, 5i64, 12i64);
+        let weights = move || [wave(&[3 * c, c], 0.71, 0.4), wave(&[3 * c], 1.3, 0.2), wave(&[c, c], 0.37, 0.3), wave(&[c], 2.1, 0.5)];
+        let input = move || wave(&[b, t, c], 0.53, 1.0);
+        for (tp, n_head) in [(1usize, 4i64), (2, 4), (4, 4), (2, 6), (3, 6)] {
+            let (x, w) = (input(), weights());
+            let hs = (c / n_head) as f64;
+            let want = attention_ref(&x, &w, n_head, hs.sqrt(), true);
+            // The reference written out above against libtorch's own fused attention.
+            let q = |i: i64| x.linear(&w[0], Some(&w[1])).narrow(2, i * c, c).reshape([b, t, n_head, c / n_head]).transpose(1, 2);
+            let sdpa = Tensor::scaled_dot_product_attention::<Tensor>(&q(0), &q(1), &q(2), None, 0.0, true, None, false);
+            let sdpa = sdpa.transpose(1, 2).reshape([b, t, c]).linear(&w[2], Some(&w[3]));
+            assert!(max_diff(&sdpa, &want, "reference") < 1e-5, "the grader's reference disagrees with libtorch's attention");
+            let out = spawn(tp, Backend::Local, move |pg| {
+                let [wa, ba, wp, bp] = weights();
+                let before = pg.stats();
+                let y = tp_attention(pg, &input(), &wa, &ba, &wp, &bp, n_head)?;
+                let s = pg.stats().since(&before);
+                Ok((Vec::<f32>::try_from(y.to_kind(Kind::Float).reshape([-1]))?, y.size(), s.calls(OpKind::AllReduce), s.collectives, s.p2p, s.bytes_sent))
+            })
+            .unwrap_or_else(|e| panic!("tp={tp}, {n_head} heads: {e}"));
+            for (r, (y, size, ar, coll, p2p, sent)) in out.into_iter().enumerate() {
+                let at = format!("tp={tp}, {n_head} heads, rank {r}");
+                assert_eq!(size, vec![b, t, c], "{at}: the output is the whole (B, T, C) on every rank");
+                let y = Tensor::from_slice(&y).reshape([b, t, c]);
+                let d = max_diff(&y, &want, &at);
+                if d >= 1e-5 {
+                    let near = |other: &Tensor| max_diff(&y, other, &at) < 1e-5;
+                    let why = if near(&(&want + &w[3] * (tp as f64 - 1.0))) {
+                        format!("c_proj's bias was added {tp} times: every rank added it before the sum; add it once, after the all-reduce")
+                    } else if tp > 1 && near(&fused_split_ref(&x, &w, n_head, tp as i64)) {
+                        "each rank took a contiguous third of its rows of the fused c_attn as q, k and v: rank 0 got q's rows only. \
+                         c_attn is three blocks (q, k, v) of C rows; a rank's heads are the same rows of each block"
+                            .to_string()
+                    } else if near(&attention_ref(&x, &w, n_head, hs.sqrt(), false)) {
+                        "no causal mask: a position attends to the ones after it".to_string()
+                    } else if near(&attention_ref(&x, &w, n_head, (c as f64).sqrt(), true)) {
+                        "the scores were divided by √C; divide by √(head size) = √(C/n_head)".to_string()
+                    } else {
+                        "compare one head at a time with one process: which rows of c_attn, which columns of c_proj".to_string()
+                    };
+                    panic!("{at}: the output differs from one process's attention by {d}: {why}");
+                }
+                assert!(
+                    ar == 1 && coll == 1 && p2p == 0,
+                    "{at}: exactly one all-reduce and nothing else (c_proj's partial sums), got {ar} all-reduces, {coll} collectives, {p2p} sends/recvs"
+                );
+                let full = (b * t * c * 4) as u64;
+                assert!(tp == 1 || sent <= 2 * full, "{at}: sent {sent} bytes: the one all-reduce is of a (B, T, C) fp32 tensor, {full} bytes");
+            }
+        }
+        // Heads that do not split: an error on every rank, before any communication.
+        let out = spawn(2, Backend::Local, move |pg| {
+            let [wa, ba, wp, bp] = weights();
+            let before = pg.stats();
+            let r = tp_attention(pg, &input(), &wa, &ba, &wp, &bp, 3);
+            Ok((r.map(|_| ()).map_err(|e| e.to_string()), pg.stats().since(&before).collectives))
+        })
+        .unwrap_or_else(|e| panic!("tp=2, 3 heads: {e}"));
+        for (r, (res, coll)) in out.into_iter().enumerate() {
+            assert!(res.is_err(), "tp=2, 3 heads, rank {r}: 3 heads do not split over 2 ranks: that must be an error, got Ok");
+            let e = res.unwrap_err();
+            assert!(e.contains("invalid argument"), "tp=2, 3 heads, rank {r}: expected CommError::InvalidArgument, got: {e}");
+            assert_eq!(coll, 0, "tp=2, 3 heads, rank {r}: refuse before communicating");
         }
     }
 }

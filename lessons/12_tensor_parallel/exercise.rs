@@ -2,7 +2,7 @@
 //! Replace each `todo!()`; check your work with `cargo grade 12`. Hints are in this lesson's README.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
-use shardlab::comm::{CommResult, ProcessGroup, ReduceOp};
+use shardlab::comm::{CommError, CommResult, ProcessGroup, ReduceOp};
 use tch::{Kind, Tensor};
 
 /// Exercise 1 — a column-parallel linear layer. `w` (out, in) and `b` (out,) are the whole
@@ -57,5 +57,28 @@ pub fn vocab_parallel_cross_entropy(pg: &ProcessGroup, logits: &Tensor, targets:
     // the rank whose columns hold it (Sum); loss = mean over targets ≠ −1 of log Σ + max − z_t;
     // the gradient is (softmax − one-hot)/count on your columns, 0 on ignored rows (README,
     // "The loss without the logits").
+    todo!()
+}
+
+/// Exercise 5 — causal self-attention split by heads over `pg` (t ranks), forward only. `x` (B, T,
+/// C) is the whole input, the same on every rank. `w_attn` (3C, C) and `b_attn` (3C,) are the
+/// whole `c_attn` (nanoGPT's layout: the q rows, then the k rows, then the v rows, C each; head h
+/// is rows h·C/n_head … of each); `w_proj` (C, C) and `b_proj` (C,) the whole `attn.c_proj`.
+/// This rank computes n_head/t of the heads and returns the whole attention output (B, T, C), the
+/// same on every rank and equal to one process's, with exactly one all-reduce. When `n_head` does
+/// not divide by t (or C by `n_head`), return `CommError::InvalidArgument` on every rank without
+/// communicating.
+pub fn tp_attention(
+    pg: &ProcessGroup,
+    x: &Tensor,
+    w_attn: &Tensor,
+    b_attn: &Tensor,
+    w_proj: &Tensor,
+    b_proj: &Tensor,
+    n_head: i64,
+) -> CommResult<Tensor> {
+    // TODO: check the split; take this rank's heads from c_attn and the matching part of c_proj;
+    // causal attention on those heads; one all-reduce; the bias once (README, "Attention by
+    // heads: the whole block").
     todo!()
 }

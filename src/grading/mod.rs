@@ -23,6 +23,7 @@
 
 mod exercises;
 mod progress;
+mod torch_errors;
 
 pub use exercises::{exercise_number, exercises, Exercise};
 pub use progress::{crate_root, grade, progress, progress_table, records_dir, LessonProgress};
@@ -32,6 +33,8 @@ use std::fs;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::Once;
+pub use torch_errors::tidy_libtorch_error;
+use torch_errors::{exercise_frame, LAST_TORCH_AT};
 
 /// Which answers a compiled copy of a grader runs against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,6 +143,10 @@ pub fn run(g: Grader, test: &str, body: impl FnOnce()) {
         Ok(()) => record(&g, test, &Status::Done),
         Err(payload) => {
             let mut msg = payload_message(&*payload);
+            if msg.contains("Torch(\"") {
+                let at = LAST_TORCH_AT.lock().ok().and_then(|mut l| l.take());
+                msg = tidy_libtorch_error(&msg, at.as_deref());
+            }
             if msg.contains("not yet implemented") {
                 // Which todo!() fired: the hook kept the location of the last one.
                 let at = LAST_TODO.lock().map(|l| l.clone()).unwrap_or(None);
@@ -216,7 +223,17 @@ fn install_quiet_hook() {
             return;
         }
         panic::set_hook(Box::new(|info| {
-            let msg = payload_message(info.payload());
+            let mut msg = payload_message(info.payload());
+            let mut torch_at = None;
+            if msg.contains("Torch(\"") {
+                let at = exercise_frame();
+                torch_at = at.clone();
+                if let (Some(a), Ok(mut last)) = (&at, LAST_TORCH_AT.lock()) {
+                    *last = Some(a.clone());
+                }
+                let known = at.or_else(|| LAST_TORCH_AT.lock().ok().and_then(|l| l.clone()));
+                msg = tidy_libtorch_error(&msg, known.as_deref());
+            }
             if msg.contains("not yet implemented") {
                 if let (Some(l), Ok(mut last)) = (info.location(), LAST_TODO.lock()) {
                     *last = Some((l.file().to_string(), l.line()));
@@ -226,7 +243,9 @@ fn install_quiet_hook() {
             let name = thread.name().unwrap_or("a thread");
             match info.location() {
                 // The grader's own "not started" needs no location.
-                Some(l) if l.file().ends_with("grading.rs") => eprintln!("{msg}"),
+                Some(l) if l.file().contains("src/grading/") => eprintln!("{msg}"),
+                // libtorch's panics are raised inside tch: say where in exercise.rs instead.
+                _ if torch_at.is_some() => eprintln!("{msg}\n    (panicked in {name})"),
                 Some(l) => {
                     eprintln!("{msg}\n    (panicked in {name} at {}:{})", l.file().replace("tests/../", ""), l.line())
                 }
