@@ -202,6 +202,12 @@ impl Host {
     /// entered this collective, waits unread: this rank receives it after — the ranks called
     /// send/recv and collectives in different orders. (Unchecked, the message would pass on some
     /// data paths and hang both ranks on others, where it does not fit the link.)
+    ///
+    /// Cost: one non-blocking peek per peer link at the start of each collective. Measured on the
+    /// 2-core CI machine with `collectives --transport tcp --ops all_reduce --sizes 8 --iters 3000
+    /// --method barrier`, against a build without this check, medians of 18 alternating runs:
+    /// 2 ranks 58.0 / 55.3 µs (+5%), 4 ranks 193 / 184 µs (+4%); single runs spread over ±20%, so
+    /// the cost is at most a few µs per small collective and nothing at 64 KiB and up. Kept.
     fn message_first(&self, desc: &OpDesc) -> Option<CommError> {
         if desc.op == OpKind::P2p {
             return None;
