@@ -2,8 +2,12 @@
 //! Same signatures as `lessons/13_pipeline_parallel/exercise.rs`; graded by `tests/lesson13.rs`.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
-use shardlab::pipeline::{Op, Slot};
+use shardlab::comm::{CommResult, ProcessGroup};
+use shardlab::model::Batch;
+use shardlab::pipeline::{Op, Slot, StageRunner};
+use std::collections::BTreeMap;
 use std::ops::Range;
+use tch::{Kind, Tensor};
 
 /// Exercise 1 — the 1F1B order of stage `stage` of `stages`, with `micro_batches` micro-batches:
 /// `min(stages − stage − 1, micro_batches)` warm-up forwards, then one forward and one backward
@@ -95,4 +99,93 @@ pub fn partition(num_stages: usize, ranks: usize) -> Result<Vec<Range<usize>>, S
             lo - n..lo
         })
         .collect())
+}
+
+/// Exercise 4 — one pipeline rank's part of a training step, over real sends and receives.
+/// `runner` computes this rank's stages (`forward`, `backward`, `activation`: see
+/// `shardlab::pipeline::StageRunner`). `batch` (B, T) is the whole batch on every rank, cut into
+/// `micro_batches` equal micro-batches of consecutive rows. `plan` is this rank's operations in
+/// order, `next_plan` rank r + 1's (empty on the last rank). Run `plan`:
+/// - `Forward(i)`: the first rank passes an undefined tensor (`Tensor::new()`), the others receive
+///   micro-batch i's activation (f32, shape `runner.activation(rows, T)`) from rank r − 1. The last
+///   rank's output is micro-batch i's mean loss; the others send theirs to rank r + 1 — without
+///   deadlocking where a send blocks until it is read (README, "Two neighbours that both send
+///   first").
+/// - `Backward(i)`: the last rank starts from micro-batch i's weight in the batch's loss (a scalar
+///   f32 tensor; README, "The loss over micro-batches"), the others from the gradient received
+///   from rank r + 1; send dL/dx to rank r − 1; add the parameter gradients into this rank's sums.
+/// Return the batch's mean loss on the last rank (0.0 on the others) and this rank's gradient
+/// sums by parameter index. The tied embedding's exchange and the loss's broadcast are not part
+/// of it.
+pub fn run_rank(
+    pg: &ProcessGroup,
+    runner: &mut dyn StageRunner,
+    plan: &[Op],
+    next_plan: &[Op],
+    batch: &Batch,
+    micro_batches: usize,
+) -> CommResult<(f64, BTreeMap<usize, Tensor>)> {
+    let (p, r) = (pg.world_size(), pg.rank());
+    let last = r + 1 == p;
+    let (rows, t) = (batch.x.size()[0], batch.x.size()[1]);
+    let mb = rows / micro_batches as i64;
+    let part = |i: usize| batch.rows(i as i64 * mb, (i as i64 + 1) * mb);
+    // Micro-batch i weighs its share of the batch's targets (those that are not −1).
+    let counts: Vec<f64> =
+        (0..micro_batches).map(|i| part(i).y.ne(-1).sum(Kind::Int64).int64_value(&[]) as f64).collect();
+    let total: f64 = counts.iter().sum();
+    let shape = runner.activation(mb, t);
+    let act = || Tensor::zeros(shape.as_slice(), (Kind::Float, batch.x.device()));
+    let at = |plan: &[Op], op: Op| plan.iter().position(|&o| o == op);
+    let (mut loss, mut grads) = (0.0, BTreeMap::<usize, Tensor>::new());
+    let mut held_back: Vec<Tensor> = Vec::new();
+    for (n, &op) in plan.iter().enumerate() {
+        match op {
+            Op::Forward(i) => {
+                let x = if r == 0 {
+                    Tensor::new()
+                } else {
+                    let mut x = act();
+                    pg.recv(&mut x, r - 1)?;
+                    x
+                };
+                let out = runner.forward(i, x, &part(i))?;
+                if last {
+                    loss += out.double_value(&[]) * counts[i] / total;
+                    continue;
+                }
+                // Rank r + 1 sends the gradient of our next backward before it reads this
+                // activation: send it only after that gradient has arrived.
+                let next_b = plan[n + 1..].iter().find(|o| matches!(o, Op::Backward(_))).copied();
+                if next_b.is_some_and(|b| at(next_plan, b) < at(next_plan, Op::Forward(i))) {
+                    held_back.push(out.detach());
+                } else {
+                    pg.send(&out.detach(), r + 1)?;
+                }
+            }
+            Op::Backward(i) => {
+                let g_out = if last {
+                    Tensor::from((counts[i] / total) as f32)
+                } else {
+                    let mut g = act();
+                    pg.recv(&mut g, r + 1)?;
+                    for a in held_back.drain(..) {
+                        pg.send(&a, r + 1)?;
+                    }
+                    g
+                };
+                let (g, dx) = runner.backward(i, &g_out, &part(i))?;
+                if let Some(dx) = dx {
+                    pg.send(&dx, r - 1)?;
+                }
+                for (k, gk) in g {
+                    match grads.get_mut(&k) {
+                        Some(sum) => drop(sum.g_add_(&gk)),
+                        None => drop(grads.insert(k, gk)),
+                    }
+                }
+            }
+        }
+    }
+    Ok((loss, grads))
 }

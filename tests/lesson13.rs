@@ -11,13 +11,14 @@ mod exercise_code;
 mod solution_code;
 
 use shardlab::pipeline::{Op, Schedule, Slot};
+use shardlab::prelude::*;
 
 shardlab::graders! {
     lesson: "13", exercise_file: "lessons/13_pipeline_parallel/exercise.rs";
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["pipeline::schedule", "Schedule", "OneFOneB", "pipeline::interleaved", "ChunkOp"], &["simulate_plans", "simulate_chunks", "simulate_timed", "pipeline::Timeline", "pipeline::simulate"], &["pipeline::partition", "executor::partition"]];
+    const TWINS: &[&[&str]] = &[&["pipeline::schedule", "Schedule", "OneFOneB", "pipeline::interleaved", "ChunkOp"], &["simulate_plans", "simulate_chunks", "simulate_timed", "pipeline::Timeline", "pipeline::simulate"], &["pipeline::partition", "executor::partition"], &["run_pipeline", "pipeline_step", "pipeline::executor", "PipelineStep"]];
 
     fn f(i: usize) -> Op {
         Op::Forward(i)
@@ -126,6 +127,119 @@ shardlab::graders! {
         let e = partition(4, 5).expect_err("5 ranks for 4 stages: a rank would have nothing to run");
         assert!(!e.is_empty(), "the error should say why");
         assert!(partition(4, 0).is_err(), "0 ranks is an error");
+    }
+
+    /// A 4-stage GPT (embeddings, two blocks, head) and an 8-row batch whose first row has 11
+    /// targets −1: micro-batches then hold different numbers of targets (tests/pipeline.rs's set-up).
+    fn gpt_and_batch() -> (GptConfig, Batch) {
+        let cfg = GptConfig { vocab_size: 64, block_size: 16, n_layer: 2, n_head: 2, n_embd: 32 };
+        let data = shardlab::data::synthetic_corpus(4000, 3);
+        let batch = DistributedSampler::new(16, 8, 0, 1, 5).unwrap().batch(&data, 0);
+        let _ = batch.y.narrow(0, 0, 1).narrow(1, 0, 11).fill_(-1);
+        (cfg, batch)
+    }
+
+    /// Every rank runs the learner's `run_rank` on its stages of the same GPT with `plan`s from
+    /// `kind`: (its loss, its gradients by parameter index) per rank.
+    fn run_ranks(opts: SpawnOptions, kind: Schedule, m: usize, cfg: GptConfig, batch: fn() -> (GptConfig, Batch)) -> Vec<(f64, Vec<(usize, Vec<f32>)>)> {
+        let p = opts.world_size;
+        spawn_with(opts, move |pg| {
+            let (_, batch) = batch();
+            let gpt = Gpt::new(cfg, 9)?;
+            let r = pg.rank();
+            let parts = shardlab::pipeline::partition(gpt.num_stages(), p).map_err(anyhow::Error::msg)?;
+            let mut runner = shardlab::pipeline::model_runner(&gpt, parts[r].clone(), cfg.n_embd);
+            let plan = shardlab::pipeline::schedule(kind, p, m, r);
+            let next = if r + 1 == p { vec![] } else { shardlab::pipeline::schedule(kind, p, m, r + 1) };
+            let (loss, grads) = run_rank(pg, &mut runner, &plan, &next, &batch, m)?;
+            let grads = grads.iter().map(|(&k, g)| (k, Vec::<f32>::try_from(g.reshape([-1])).unwrap())).collect();
+            Ok((loss, grads))
+        })
+        .unwrap_or_else(|e| {
+            let e = e.to_string();
+            let why = if e.contains("timed out") {
+                " — the ranks waited on each other until the timeout: does every send have its receiver on the way to \
+                 it? (README, \"Two neighbours that both send first\")"
+            } else {
+                ""
+            };
+            panic!("{kind:?}, {p} ranks, {m} micro-batches: {e}{why}")
+        })
+    }
+
+    #[test]
+    fn ex4_a_pipelined_step_equals_one_process() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
+        let (cfg, batch) = gpt_and_batch();
+        let gpt = Gpt::new(cfg, 9).unwrap();
+        let loss = gpt.loss(&batch);
+        loss.backward();
+        let want_loss = loss.double_value(&[]);
+        let names: Vec<String> = gpt.named_parameters().into_iter().map(|(n, _)| n).collect();
+        let want: Vec<Tensor> = gpt.parameters().iter().map(|p| p.grad().reshape([-1])).collect();
+        let uses = gpt.stage_uses();
+        for (p, m, kind) in [(2usize, 4usize, Schedule::OneFOneB), (4, 8, Schedule::OneFOneB), (4, 4, Schedule::GPipe), (3, 2, Schedule::OneFOneB)] {
+            let out = run_ranks(SpawnOptions::new(p, Backend::Local), kind, m, cfg, gpt_and_batch);
+            let at = format!("{kind:?}, {p} ranks, {m} micro-batches");
+            let got_loss = out[p - 1].0;
+            if (got_loss - want_loss).abs() >= 1e-5 {
+                // The plain mean of the micro-batches' means (right only when they hold equal counts).
+                let mb = 8 / m as i64;
+                let plain: f64 = (0..m as i64).map(|i| gpt.loss(&batch.rows(i * mb, (i + 1) * mb)).double_value(&[])).sum::<f64>() / m as f64;
+                let why = if (got_loss - plain).abs() < 1e-5 {
+                    "each micro-batch weighed 1/m; weigh it by its share of the batch's targets (README, \"The loss over micro-batches\")"
+                } else {
+                    "the batch's mean is Σ_i (c_i / C) · mean_i over the micro-batches"
+                };
+                panic!("{at}: the last rank's loss is {got_loss}, one process's {want_loss}: {why}");
+            }
+            let parts = shardlab::pipeline::partition(uses.len(), p).unwrap();
+            let mut sums: Vec<Option<Tensor>> = (0..want.len()).map(|_| None).collect();
+            for (r, (_, grads)) in out.iter().enumerate() {
+                let mut mine: Vec<usize> = parts[r].clone().flat_map(|s| uses[s].iter().copied()).collect();
+                mine.sort_unstable();
+                mine.dedup();
+                let keys: Vec<usize> = grads.iter().map(|(k, _)| *k).collect();
+                assert_eq!(keys, mine, "{at}, rank {r}: gradients of the parameters its stages use, each once (by index), got {keys:?}");
+                // The tied embedding's parts (ranks 0 and p − 1) summed here, as the exchange would.
+                for (k, g) in grads {
+                    let g = Tensor::from_slice(g);
+                    sums[*k] = Some(match sums[*k].take() { Some(s) => s + g, None => g });
+                }
+            }
+            for (k, s) in sums.iter().enumerate() {
+                let s = s.as_ref().unwrap_or_else(|| panic!("{at}: no rank returned a gradient for {}", names[k]));
+                assert_eq!(s.size(), want[k].size(), "{at}: {}'s gradient has {} elements, expected {}", names[k], s.numel(), want[k].numel());
+                let d = (s - &want[k]).abs().max().double_value(&[]);
+                assert!(
+                    d < 1e-5,
+                    "{at}: {}'s gradient (summed over micro-batches, and over ranks where it is tied) differs from one \
+                     process's by {d}: the last rank starts B i from micro-batch i's weight, every other rank from the \
+                     gradient it receives, and each adds its gradients over the micro-batches",
+                    names[k]
+                );
+            }
+        }
+    }
+
+    /// 4 MiB activations over TCP between 4 processes: a send waits until its receiver reads, so
+    /// two neighbours that both send first wait for each other (tests/pipeline.rs's set-up).
+    #[test]
+    fn ex4_sends_that_block_do_not_deadlock() {
+        shardlab::grading::refuse_twins(GRADER, 4, TWINS[3]);
+        fn big() -> (GptConfig, Batch) {
+            let cfg = GptConfig { vocab_size: 64, block_size: 64, n_layer: 2, n_head: 4, n_embd: 256 };
+            // 4 micro-batches of 64 rows: (64, 64, 256) f32 = 4 MiB per activation.
+            (cfg, DistributedSampler::new(64, 256, 0, 1, 5).unwrap().batch(&shardlab::data::synthetic_corpus(20_000, 3), 0))
+        }
+        let name = format!("{}::ex4_sends_that_block_do_not_deadlock", module_path!().split_once("::").map_or("", |p| p.1));
+        let opts = SpawnOptions::new(4, Backend::Tcp)
+            .config(CommConfig::default().with_timeout(std::time::Duration::from_secs(20)))
+            .child_args(vec!["--exact".into(), name, "--nocapture".into(), "--test-threads=1".into()]);
+        let (cfg, batch) = big();
+        let out = run_ranks(opts, Schedule::OneFOneB, 4, cfg, big);
+        let want = Gpt::new(cfg, 9).unwrap().loss(&batch).double_value(&[]);
+        assert!((out[3].0 - want).abs() < 1e-5, "1F1B over TCP: the last rank's loss is {}, one process's {want}", out[3].0);
     }
 }
 

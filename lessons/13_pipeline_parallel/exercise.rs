@@ -2,8 +2,12 @@
 //! Replace each `todo!()`; check your work with `cargo grade 13`. Hints are in this lesson's README.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
-use shardlab::pipeline::{Op, Slot};
+use shardlab::comm::{CommResult, ProcessGroup};
+use shardlab::model::Batch;
+use shardlab::pipeline::{Op, Slot, StageRunner};
+use std::collections::BTreeMap;
 use std::ops::Range;
+use tch::{Kind, Tensor};
 
 /// Exercise 1 — the 1F1B order of stage `stage` of `stages`, with `micro_batches` micro-batches:
 /// `min(stages − stage − 1, micro_batches)` warm-up forwards, then one forward and one backward
@@ -37,5 +41,35 @@ pub fn simulate(plans: &[Vec<Op>], t_f: f64, t_b: f64) -> Result<Vec<Vec<Slot>>,
 pub fn partition(num_stages: usize, ranks: usize) -> Result<Vec<Range<usize>>, String> {
     // TODO: q = num_stages / ranks, the first num_stages % ranks ranks take q + 1; ranges end to
     // end from 0 (README, "Cutting the model into stages").
+    todo!()
+}
+
+/// Exercise 4 — one pipeline rank's part of a training step, over real sends and receives.
+/// `runner` computes this rank's stages (`forward`, `backward`, `activation`: see
+/// `shardlab::pipeline::StageRunner`). `batch` (B, T) is the whole batch on every rank, cut into
+/// `micro_batches` equal micro-batches of consecutive rows. `plan` is this rank's operations in
+/// order, `next_plan` rank r + 1's (empty on the last rank). Run `plan`:
+/// - `Forward(i)`: the first rank passes an undefined tensor (`Tensor::new()`), the others receive
+///   micro-batch i's activation (f32, shape `runner.activation(rows, T)`) from rank r − 1. The last
+///   rank's output is micro-batch i's mean loss; the others send theirs to rank r + 1 — without
+///   deadlocking where a send blocks until it is read (README, "Two neighbours that both send
+///   first").
+/// - `Backward(i)`: the last rank starts from micro-batch i's weight in the batch's loss (a scalar
+///   f32 tensor; README, "The loss over micro-batches"), the others from the gradient received
+///   from rank r + 1; send dL/dx to rank r − 1; add the parameter gradients into this rank's sums.
+/// Return the batch's mean loss on the last rank (0.0 on the others) and this rank's gradient
+/// sums by parameter index. The tied embedding's exchange and the loss's broadcast are not part
+/// of it.
+pub fn run_rank(
+    pg: &ProcessGroup,
+    runner: &mut dyn StageRunner,
+    plan: &[Op],
+    next_plan: &[Op],
+    batch: &Batch,
+    micro_batches: usize,
+) -> CommResult<(f64, BTreeMap<usize, Tensor>)> {
+    // TODO: each micro-batch's weight from its targets; then walk `plan`: receive, compute, send —
+    // holding an activation back when rank r + 1 sends you a gradient before it reads it
+    // (README, "The executor", "Two neighbours that both send first").
     todo!()
 }

@@ -87,20 +87,14 @@ pub fn pipeline_step_with(
     let (p, r) = (pg.world_size(), pg.rank());
     let parts =
         partition(model.num_stages(), p).map_err(|m| CommError::InvalidArgument(format!("rank {r}: pipeline: {m}")))?;
-    let uses = model.stage_uses();
-    let mut my_params: Vec<usize> = parts[r].clone().flat_map(|s| uses[s].iter().copied()).collect();
-    my_params.sort_unstable();
-    my_params.dedup();
-    let mut runner = Autograd {
-        model,
-        mine: parts[r].clone(),
-        params: model.parameters(),
-        my_params,
-        recompute,
-        hidden,
-        saved: BTreeMap::new(),
-    };
-    run_pipeline(pg, &mut runner, &uses, kind, batch, micro_batches)
+    let mut runner = Autograd::new(model, parts[r].clone(), hidden, recompute);
+    run_pipeline(pg, &mut runner, &model.stage_uses(), kind, batch, micro_batches)
+}
+
+/// The stages `mine` of `model` as a [`StageRunner`] with autograd, activations of width `hidden`:
+/// what [`pipeline_step`] runs on each rank, for an executor of one's own (lesson 13, exercise 4).
+pub fn model_runner<'m>(model: &'m dyn Model, mine: Range<usize>, hidden: i64) -> impl StageRunner + 'm {
+    Autograd::new(model, mine, hidden, false)
 }
 
 /// What a pipeline rank computes, one micro-batch at a time: the forward and backward of its
@@ -140,7 +134,14 @@ struct Autograd<'m> {
     saved: BTreeMap<usize, (Option<Tensor>, Option<Tensor>)>,
 }
 
-impl Autograd<'_> {
+impl<'m> Autograd<'m> {
+    fn new(model: &'m dyn Model, mine: Range<usize>, hidden: i64, recompute: bool) -> Self {
+        let uses = model.stage_uses();
+        let mut my_params: Vec<usize> = mine.clone().flat_map(|s| uses[s].iter().copied()).collect();
+        my_params.sort_unstable();
+        my_params.dedup();
+        Autograd { model, mine, params: model.parameters(), my_params, recompute, hidden, saved: BTreeMap::new() }
+    }
     fn chain(&self, x_leaf: &Option<Tensor>, part: &Batch) -> Tensor {
         let mut x = x_leaf.as_ref().map_or_else(Tensor::new, |x| x.shallow_clone());
         for s in self.mine.clone() {

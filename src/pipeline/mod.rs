@@ -38,7 +38,9 @@ mod interleaved;
 mod schedule;
 pub mod train;
 
-pub use executor::{partition, pipeline_step, pipeline_step_with, run_pipeline, PipelineStep, StageRunner};
+pub use executor::{
+    model_runner, partition, pipeline_step, pipeline_step_with, run_pipeline, PipelineStep, StageRunner,
+};
 pub use interleaved::{interleaved, interleaved_bubble_fraction, ChunkOp};
 pub use schedule::{
     ascii_diagram, bubble_fraction, check, schedule, simulate, simulate_chunks, simulate_plans, simulate_timed, Op,
