@@ -52,7 +52,8 @@ pub fn tp_mlp(
     // f forward: the identity — but a leaf, so that backward gives this rank's part of dx.
     let x_leaf = x.detach().set_requires_grad(true);
     let partial = x_leaf.linear(&w1, Some(&b1)).gelu("none").linear::<Tensor>(&w2, None); // (N, C)
-                                                                                          // g forward: all-reduce the partial outputs, then the replicated bias once.
+
+    // g forward: all-reduce the partial outputs, then the replicated bias once.
     let mut y = partial.detach().copy();
     pg.all_reduce(&mut y, ReduceOp::Sum)?;
     let y = y + b_proj;
@@ -120,8 +121,9 @@ pub fn tp_attention(
     let hs = c / n_head; // the head size
     let h = n_head / t; // this rank's heads
     let cols = h * hs; // C/t: its rows of each of q, k and v, its columns of c_proj
-                       // c_attn is three blocks of C rows: this rank's heads are rows r·C/t … of each block, not
-                       // rows r·3C/t … of the whole matrix (that would be all of q and part of k at t = 2).
+
+    // c_attn is three blocks of C rows: this rank's heads are rows r·C/t … of each block, not
+    // rows r·3C/t … of the whole matrix (that would be all of q and part of k at t = 2).
     let w = w_attn.reshape([3, c, c]).narrow(1, r * cols, cols).reshape([3 * cols, c]);
     let b = b_attn.reshape([3, c]).narrow(1, r * cols, cols).reshape([3 * cols]);
     let qkv = x.linear(&w, Some(&b)); // (B, T, 3C/t)
@@ -131,7 +133,8 @@ pub fn tp_attention(
     let future = Tensor::ones([tt, tt], (Kind::Bool, x.device())).triu(1);
     let att = scores.masked_fill(&future, f64::NEG_INFINITY).softmax(-1, Kind::Float);
     let y = att.matmul(&v).transpose(1, 2).reshape([bsz, tt, cols]); // (B, T, C/t)
-                                                                     // Row-parallel c_proj: this rank's heads' columns give a partial (B, T, C); sum, then the bias once.
+
+    // Row-parallel c_proj: this rank's heads' columns give a partial (B, T, C); sum, then the bias once.
     let mut out = y.linear::<Tensor>(&w_proj.narrow(1, r * cols, cols), None);
     pg.all_reduce(&mut out, ReduceOp::Sum)?;
     Ok(out + b_proj)

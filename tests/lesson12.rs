@@ -50,11 +50,22 @@ shardlab::graders! {
     fn worst(got: &Tensor, want: &Array2<f64>) -> f64 {
         let g = nd(got);
         assert_eq!(g.dim(), want.dim(), "shape {:?}, expected {:?}", g.dim(), want.dim());
-        g.iter().zip(want.iter()).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max)
+        // A NaN is the largest difference there is (f64::max would skip it).
+        g.iter().zip(want.iter()).map(|(a, b)| (a - b).abs()).fold(0.0, |m, d| if d.is_nan() { f64::INFINITY } else { m.max(d) })
     }
     fn max_diff(a: &Tensor, b: &Tensor, what: &str) -> f64 {
         assert_eq!(a.size(), b.size(), "{what}: shape {:?}, expected {:?}", a.size(), b.size());
-        (a - b).abs().max().double_value(&[])
+        let d = (a - b).abs().max().double_value(&[]);
+        if d.is_nan() { f64::INFINITY } else { d }
+    }
+    /// Deterministic values with no low-rank structure (a sin wave over the flat index is a rank-2
+    /// matrix): the fractional part of a scaled sine, in [−0.5, 0.5) · scale.
+    fn noise(shape: &[i64], k: f64, scale: f64) -> Tensor {
+        let n: i64 = shape.iter().product();
+        (((Tensor::arange(n, (Kind::Double, Device::Cpu)) * k + 0.3).sin() * 43758.5453).frac() - 0.5)
+            .to_kind(Kind::Float)
+            .reshape(shape)
+            * scale
     }
 
     #[test]
@@ -242,8 +253,8 @@ shardlab::graders! {
     fn ex5_attention_split_by_heads_matches_one_process() {
         shardlab::grading::refuse_twins(GRADER, 5, TWINS[4]);
         let (b, t, c) = (2i64, 5i64, 12i64);
-        let weights = move || [wave(&[3 * c, c], 0.71, 0.4), wave(&[3 * c], 1.3, 0.2), wave(&[c, c], 0.37, 0.3), wave(&[c], 2.1, 0.5)];
-        let input = move || wave(&[b, t, c], 0.53, 1.0);
+        let weights = move || [noise(&[3 * c, c], 0.71, 0.8), noise(&[3 * c], 1.3, 0.4), noise(&[c, c], 0.37, 0.6), noise(&[c], 2.1, 1.0)];
+        let input = move || noise(&[b, t, c], 0.53, 2.0);
         for (tp, n_head) in [(1usize, 4i64), (2, 4), (4, 4), (2, 6), (3, 6)] {
             let (x, w) = (input(), weights());
             let hs = (c / n_head) as f64;
@@ -268,12 +279,33 @@ shardlab::graders! {
                 let d = max_diff(&y, &want, &at);
                 if d >= 1e-5 {
                     let near = |other: &Tensor| max_diff(&y, other, &at) < 1e-5;
-                    let why = if near(&(&want + &w[3] * (tp as f64 - 1.0))) {
+                    // This rank's heads alone (a correct split, not summed): its partial plus the bias.
+                    let own = {
+                        let (hs, cols) = (c / n_head, c / tp as i64);
+                        let r = r as i64;
+                        let wq = w[0].reshape([3, c, c]).narrow(1, r * cols, cols).reshape([3 * cols, c]);
+                        let bq = w[1].reshape([3, c]).narrow(1, r * cols, cols).reshape([3 * cols]);
+                        let qkv = x.linear(&wq, Some(&bq));
+                        let head = |i: i64| qkv.narrow(2, i * cols, cols).reshape([b, t, cols / hs, hs]).transpose(1, 2);
+                        let future = Tensor::ones([t, t], (Kind::Bool, Device::Cpu)).triu(1);
+                        let att = (head(0).matmul(&head(1).transpose(-2, -1)) / (hs as f64).sqrt()).masked_fill(&future, f64::NEG_INFINITY);
+                        let yh = att.softmax(-1, Kind::Float).matmul(&head(2)).transpose(1, 2).reshape([b, t, cols]);
+                        yh.linear(&w[2].narrow(1, r * cols, cols), Some(&w[3]))
+                    };
+                    let why = if bool::try_from(y.isnan().any()).unwrap_or(false) {
+                        "the output holds NaN: a softmax row with every score −∞ (mask only the positions after the \
+                         query, j > i, before the softmax, along the last dimension)"
+                            .to_string()
+                    } else if near(&(&want + &w[3] * (tp as f64 - 1.0))) {
                         format!("c_proj's bias was added {tp} times: every rank added it before the sum; add it once, after the all-reduce")
                     } else if tp > 1 && near(&fused_split_ref(&x, &w, n_head, tp as i64)) {
                         "each rank took a contiguous third of its rows of the fused c_attn as q, k and v: rank 0 got q's rows only. \
                          c_attn is three blocks (q, k, v) of C rows; a rank's heads are the same rows of each block"
                             .to_string()
+                    } else if tp > 1 && near(&own) {
+                        "this is the rank's own heads' output: the partial outputs were not summed over the group".to_string()
+                    } else if tp > 1 && near(&((&want - &w[3]) / tp as f64 + &w[3])) {
+                        "the partial outputs were averaged: sum them (ReduceOp::Sum)".to_string()
                     } else if near(&attention_ref(&x, &w, n_head, hs.sqrt(), false)) {
                         "no causal mask: a position attends to the ones after it".to_string()
                     } else if near(&attention_ref(&x, &w, n_head, (c as f64).sqrt(), true)) {
@@ -287,23 +319,31 @@ shardlab::graders! {
                     ar == 1 && coll == 1 && p2p == 0,
                     "{at}: exactly one all-reduce and nothing else (c_proj's partial sums), got {ar} all-reduces, {coll} collectives, {p2p} sends/recvs"
                 );
+                // An all-reduce of the (B, T, C) f32 partials sends 2(t−1)/t of it by ring, (t−1)/t at least.
                 let full = (b * t * c * 4) as u64;
-                assert!(tp == 1 || sent <= 2 * full, "{at}: sent {sent} bytes: the one all-reduce is of a (B, T, C) fp32 tensor, {full} bytes");
+                assert!(
+                    tp == 1 || (full * (tp as u64 - 1) / tp as u64 <= sent && sent <= 2 * full),
+                    "{at}: sent {sent} bytes: the one all-reduce is of the (B, T, C) f32 partial outputs, {full} bytes"
+                );
             }
         }
-        // Heads that do not split: an error on every rank, before any communication.
-        let out = spawn(2, Backend::Local, move |pg| {
-            let [wa, ba, wp, bp] = weights();
-            let before = pg.stats();
-            let r = tp_attention(pg, &input(), &wa, &ba, &wp, &bp, 3);
-            Ok((r.map(|_| ()).map_err(|e| e.to_string()), pg.stats().since(&before).collectives))
-        })
-        .unwrap_or_else(|e| panic!("tp=2, 3 heads: {e}"));
-        for (r, (res, coll)) in out.into_iter().enumerate() {
-            assert!(res.is_err(), "tp=2, 3 heads, rank {r}: 3 heads do not split over 2 ranks: that must be an error, got Ok");
-            let e = res.unwrap_err();
-            assert!(e.contains("invalid argument"), "tp=2, 3 heads, rank {r}: expected CommError::InvalidArgument, got: {e}");
-            assert_eq!(coll, 0, "tp=2, 3 heads, rank {r}: refuse before communicating");
+        // Heads that do not split over the ranks, or a width that does not split into the heads: an
+        // error on every rank, before any communication.
+        for (tp, n_head, why) in [(2usize, 3i64, "3 heads do not split over 2 ranks"), (1, 5, "a width of 12 does not split into 5 heads")] {
+            let out = spawn(tp, Backend::Local, move |pg| {
+                let [wa, ba, wp, bp] = weights();
+                let before = pg.stats();
+                let r = tp_attention(pg, &input(), &wa, &ba, &wp, &bp, n_head);
+                Ok((r.map(|_| ()).map_err(|e| e.to_string()), pg.stats().since(&before).collectives))
+            })
+            .unwrap_or_else(|e| panic!("tp={tp}, {n_head} heads: {e}"));
+            for (r, (res, coll)) in out.into_iter().enumerate() {
+                let at = format!("tp={tp}, {n_head} heads, rank {r}");
+                assert!(res.is_err(), "{at}: {why}: that must be an error, got Ok");
+                let e = res.unwrap_err();
+                assert!(e.contains("invalid argument"), "{at}: expected CommError::InvalidArgument, got: {e}");
+                assert_eq!(coll, 0, "{at}: refuse before communicating");
+            }
         }
     }
 }

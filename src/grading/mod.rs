@@ -144,7 +144,11 @@ pub fn run(g: Grader, test: &str, body: impl FnOnce()) {
         Err(payload) => {
             let mut msg = payload_message(&*payload);
             if msg.contains("Torch(\"") {
-                let at = LAST_TORCH_AT.lock().ok().and_then(|mut l| l.take());
+                // The line a rank thread's libtorch error came from, if it is in this exercise.
+                let at = LAST_TORCH_AT.lock().ok().and_then(|mut l| l.take()).filter(|a| {
+                    let line = a.rsplit(':').next().and_then(|l| l.parse::<u32>().ok());
+                    line.and_then(|l| exercise_at_line(&src, l)) == Some(number)
+                });
                 msg = tidy_libtorch_error(&msg, at.as_deref());
             }
             if msg.contains("not yet implemented") {
@@ -231,8 +235,7 @@ fn install_quiet_hook() {
                 if let (Some(a), Ok(mut last)) = (&at, LAST_TORCH_AT.lock()) {
                     *last = Some(a.clone());
                 }
-                let known = at.or_else(|| LAST_TORCH_AT.lock().ok().and_then(|l| l.clone()));
-                msg = tidy_libtorch_error(&msg, known.as_deref());
+                msg = tidy_libtorch_error(&msg, at.as_deref());
             }
             if msg.contains("not yet implemented") {
                 if let (Some(l), Ok(mut last)) = (info.location(), LAST_TODO.lock()) {
