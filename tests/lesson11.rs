@@ -232,6 +232,19 @@ shardlab::graders! {
         let same = t.shallow_clone();
         unstage(&mut t, &same);
         assert_eq!(values(&t), vec![1.0, 2.0, 3.0], "staged is dst's own memory: leave it as it is");
+        // Already dst's memory, and autograd saved dst for a backward (exp keeps its output): a copy
+        // onto itself changes no value, but it is a write — a kernel on a GPU, and autograd then
+        // refuses the backward that needs the saved tensor ("modified by an inplace operation").
+        let a = Tensor::from_slice(&[0.5f32, 1.0, 1.5]).set_requires_grad(true);
+        let mut d = a.exp();
+        let same_memory = d.detach();
+        unstage(&mut d, &same_memory);
+        let backward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.sum(Kind::Float).backward()));
+        assert!(
+            backward.is_ok(),
+            "staged was dst's own memory (same device, address, shape and strides), yet unstage wrote into it: \
+             autograd then refused a backward through dst. Do nothing when there is nothing to copy"
+        );
         // A bf16 caller staged as bf16; a column of a matrix.
         let m = Tensor::zeros([3, 3], (Kind::BFloat16, Device::Cpu));
         let mut col = m.narrow(1, 1, 1);

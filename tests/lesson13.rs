@@ -179,7 +179,9 @@ shardlab::graders! {
         let want: Vec<Tensor> = gpt.parameters().iter().map(|p| p.grad().reshape([-1])).collect();
         let uses = gpt.stage_uses();
         for (p, m, kind) in [(2usize, 4usize, Schedule::OneFOneB), (4, 8, Schedule::OneFOneB), (4, 4, Schedule::GPipe), (3, 2, Schedule::OneFOneB)] {
-            let out = run_ranks(SpawnOptions::new(p, Backend::Local), kind, m, cfg, gpt_and_batch);
+            // A wrong order of sends and receives waits for the timeout: 20 s, not the default 300.
+            let opts = SpawnOptions::new(p, Backend::Local).config(CommConfig::default().with_timeout(std::time::Duration::from_secs(20)));
+            let out = run_ranks(opts, kind, m, cfg, gpt_and_batch);
             let at = format!("{kind:?}, {p} ranks, {m} micro-batches");
             let got_loss = out[p - 1].0;
             if (got_loss - want_loss).abs() >= 1e-5 {
