@@ -150,6 +150,15 @@ shardlab::graders! {
                 let before = pg.stats();
                 let (y, dx, grads) = tp_mlp(pg, &x, &dy, &w1, &b1, &w2, &b2)?;
                 let c = pg.stats().since(&before);
+                // y is the group's sum: on autograd's tape it would still be this rank's partial
+                // (the all-reduce wrote behind autograd's back), and a backward through it would
+                // miss the other ranks' contributions.
+                anyhow::ensure!(
+                    !y.requires_grad(),
+                    "rank {}: the returned y is still on the local graph (it requires grad): all-reduce a detached \
+                     copy of the partial output, not the partial itself (README, \"f and g\", step 3)",
+                    pg.rank()
+                );
                 let flat = |t: &Tensor| (Vec::<f32>::try_from(t.reshape([-1])).unwrap(), t.size());
                 Ok((flat(&y), flat(&dx), grads.iter().map(flat).collect::<Vec<_>>(), c.calls(OpKind::AllReduce), c.collectives, c.bytes_sent))
             })
