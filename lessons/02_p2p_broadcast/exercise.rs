@@ -9,8 +9,8 @@ use shardlab::prelude::*;
 /// Returns `(parent, children)` of `v`: the root (v = 0) has no parent; children are listed
 /// biggest subtree first. Every rank is reached, and the depth is at most ⌈log2 n⌉.
 pub fn tree_links(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
-    // TODO: the parent clears v's lowest set bit; the children add each smaller power of two that
-    // stays below n (the root uses n rounded up to a power of two). Biggest subtree first.
+    // TODO: v's parent and children in the binomial tree over n ranks, biggest subtree first
+    // (README; hints: `cargo grade 02 --hint 1`).
     todo!()
 }
 
@@ -18,8 +18,8 @@ pub fn tree_links(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
 /// along the tree of exercise 1: receive from your parent (unless you are the root), then send
 /// to each of your children.
 pub fn tree_broadcast(pg: &ProcessGroup, t: &mut Tensor, root: usize) -> CommResult<()> {
-    // TODO: with v = (rank - root) mod n and tree_links(v, n): recv from the parent (if any), then
-    // send to every child. Map relative ranks back with (x + root) % n.
+    // TODO: the tree of exercise 1, rooted at `root` instead of 0: receive from your parent, send
+    // to your children (README; hints: `cargo grade 02 --hint 2`).
     todo!()
 }
 

@@ -12,8 +12,8 @@ use shardlab::prelude::*;
 /// parameter larger than `cap` gets a bucket of its own. Each bucket lists parameter indices in
 /// the order visited.
 pub fn assign_buckets(sizes: &[usize], cap: usize) -> Vec<Vec<usize>> {
-    // TODO: for i from sizes.len()−1 down to 0: if the current bucket is non-empty and adding
-    // sizes[i] would exceed cap, close it; push i; keep a running byte count.
+    // TODO: fill buckets in the order backward produces gradients, closing one before it would
+    // pass `cap` (README; hints: `cargo grade 05 --hint 1`).
     todo!()
 }
 
@@ -36,8 +36,7 @@ pub fn accumulate_step(
     batch: &Batch,
     accum: i64,
 ) -> CommResult<f64> {
-    // TODO: for each (lo, hi) of micro_batches(batch.len(), accum): dp.set_require_sync(only on the
-    // last), loss += dp.backward(&batch.rows(lo, hi), share)? · share, and turn sync back on;
-    // then opt.step(); opt.zero_grad().
+    // TODO: accumulate over the micro-batches with gradient sync only on the last one, each weighed
+    // by its share of the batch; then one optimizer step (README; hints: `cargo grade 05 --hint 3`).
     todo!()
 }

@@ -36,9 +36,9 @@ pub fn share_unique_id(
     make_id: impl FnOnce() -> Result<[u8; 128], String>,
     timeout: Duration,
 ) -> Result<[u8; 128], String> {
-    // TODO: rank 0: make the id, `store.set(key, b"id:" + id)` (or `error:` + the reason) and return
-    // it; the others: `store.get(key, timeout)`, `None` is rank 0's silence, then strip the prefix
-    // and check the length (README, "Bring-up: the unique id").
+    // TODO: rank 0 publishes what it got, success or failure, so that no rank waits out the
+    // timeout for nothing; the others wait for it and check what they read (README, "Bring-up:
+    // the unique id"; hints: `cargo grade 11 --hint 2`).
     todo!()
 }
 
@@ -47,9 +47,9 @@ pub fn share_unique_id(
 /// `device` and contiguous; otherwise a contiguous copy of `t` on `device`, of the same kind and
 /// shape — in pinned host memory when it comes from a GPU to the CPU.
 pub fn stage(t: &Tensor, device: Device) -> Tensor {
-    // TODO: on `device` and `is_contiguous()`: a shallow clone. GPU → CPU: a non-blocking copy
-    // down (`to_device_(Cpu, kind, true, false)`: libtorch makes it pinned), then
-    // `tch::Cuda::synchronize`. Otherwise `to_device` and `contiguous` (README, "Host and device memory").
+    // TODO: no copy when the backend can use `t` as it is; otherwise a copy it can use — and a copy
+    // down from a GPU must be finished before anyone reads it (README, "Host and device memory";
+    // hints: `cargo grade 11 --hint 3`).
     todo!()
 }
 
@@ -58,8 +58,8 @@ pub fn stage(t: &Tensor, device: Device) -> Tensor {
 /// may be a view into a larger buffer that the model reads — and do nothing when `staged` is
 /// `dst`'s memory already.
 pub fn unstage(dst: &mut Tensor, staged: &Tensor) {
-    // TODO: compare device, data_ptr, size and stride; if they differ, `copy_` the staged values
-    // into `dst` under `tch::no_grad` (README, "Host and device memory").
+    // TODO: land the result in `dst`'s own memory, unless it is there already (README, "Host and
+    // device memory"; hints: `cargo grade 11 --hint 4`).
     todo!()
 }
 

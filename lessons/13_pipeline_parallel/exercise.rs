@@ -14,8 +14,8 @@ use tch::{Kind, Tensor};
 /// while forwards remain (the backward of the oldest micro-batch not yet done), then the remaining
 /// backwards. Micro-batches go in order 0, 1, 2, … in both directions.
 pub fn one_f_one_b(stages: usize, micro_batches: usize, stage: usize) -> Vec<Op> {
-    // TODO: push the warm-up forwards, then alternate Forward(f), Backward(b) while f < m, then the
-    // backwards left (README, "Schedules: GPipe and 1F1B").
+    // TODO: the three phases of 1F1B for this stage (README, "Schedules: GPipe and 1F1B"; hints:
+    // `cargo grade 13 --hint 1`).
     todo!()
 }
 
@@ -39,8 +39,8 @@ pub fn simulate(plans: &[Vec<Op>], t_f: f64, t_b: f64) -> Result<Vec<Vec<Slot>>,
 /// first `num_stages % ranks` ranks take one stage more. An error when `ranks` is 0 or larger
 /// than `num_stages` (a rank with nothing to run).
 pub fn partition(num_stages: usize, ranks: usize) -> Result<Vec<Range<usize>>, String> {
-    // TODO: q = num_stages / ranks, the first num_stages % ranks ranks take q + 1; ranges end to
-    // end from 0 (README, "Cutting the model into stages").
+    // TODO: contiguous ranges, end to end from 0, as equal as they divide; the errors first
+    // (README, "Cutting the model into stages"; hints: `cargo grade 13 --hint 3`).
     todo!()
 }
 
