@@ -563,3 +563,36 @@ fn the_chart_check_finds_what_it_should() {
     assert_eq!(loses_a_chart("let s = r#\"for {\"#;\nif ok { b.show(); }"), None, "raw strings");
     assert_eq!(loses_a_chart("plot::show_all(&[a.svg(), b.svg()]);"), None);
 }
+
+/// Every exercise has its hints in its lesson's `hints.md` (what `cargo grade NN --hint K` prints),
+/// at least two, under `### K.`; no README prints a hint (a `<details>` block hides nothing in an
+/// editor).
+#[test]
+fn every_exercise_has_hints_and_no_readme_prints_them() {
+    let mut problems = Vec::new();
+    let mut lessons = 0;
+    for e in fs::read_dir(root().join("lessons")).unwrap().flatten() {
+        let dir = e.path();
+        let Ok(stub) = fs::read_to_string(dir.join("exercise.rs")) else { continue };
+        lessons += 1;
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let readme = fs::read_to_string(dir.join("README.md")).unwrap_or_default();
+        if readme.contains("<summary>Hint") {
+            problems.push(format!("{name}/README.md prints hints: they belong in hints.md"));
+        }
+        let hints = fs::read_to_string(dir.join("hints.md")).unwrap_or_default();
+        let count = stub.lines().filter(|l| l.starts_with("/// Exercise ")).count();
+        for k in 1..=count {
+            let head = format!("\n### {k}.");
+            let n = hints.find(&head).map_or(0, |at| {
+                let rest = &hints[at + head.len()..];
+                rest[..rest.find("\n### ").unwrap_or(rest.len())].matches("<summary>Hint").count()
+            });
+            if n < 2 {
+                problems.push(format!("{name}: exercise {k} has {n} hint(s) in hints.md, at least 2 wanted"));
+            }
+        }
+    }
+    assert!(lessons >= 15, "lessons with exercises: {lessons}");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

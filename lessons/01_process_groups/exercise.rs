@@ -1,5 +1,5 @@
 //! Lesson 01 — process groups & rendezvous: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 01`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 01`. Hints: `cargo grade 01 --hint K`.
 #![allow(unused_variables)]
 
 use shardlab::comm::store::StoreClient;

@@ -1,5 +1,5 @@
 //! Lesson 02 — point-to-point & broadcast: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 02`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 02`. Hints: `cargo grade 02 --hint K`.
 #![allow(unused_variables, unused_imports)]
 
 use shardlab::prelude::*;

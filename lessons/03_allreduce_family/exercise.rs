@@ -1,5 +1,5 @@
 //! Lesson 03 — the all-reduce family: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 03`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 03`. Hints: `cargo grade 03 --hint K`.
 #![allow(unused_variables, unused_imports)]
 
 use shardlab::prelude::*;

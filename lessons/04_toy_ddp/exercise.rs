@@ -1,5 +1,5 @@
 //! Lesson 04 — toy DDP: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 04`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 04`. Hints: `cargo grade 04 --hint K`.
 #![allow(unused_variables, unused_imports)]
 
 use shardlab::model::{Batch, Model};

@@ -1,5 +1,5 @@
 //! Lesson 05 — production DDP: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 05`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 05`. Hints: `cargo grade 05 --hint K`.
 #![allow(unused_variables, unused_imports)]
 
 use shardlab::ddp::DataParallel;

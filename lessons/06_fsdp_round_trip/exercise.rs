@@ -1,5 +1,5 @@
 //! Lesson 06 — the FSDP round trip: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 06`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 06`. Hints: `cargo grade 06 --hint K`.
 #![allow(unused_variables, unused_imports)]
 
 use shardlab::prelude::*;

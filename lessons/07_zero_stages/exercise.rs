@@ -1,5 +1,5 @@
 //! Lesson 07 — ZeRO stages 1/2/3: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 07`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 07`. Hints: `cargo grade 07 --hint K`.
 #![allow(unused_variables, unused_imports)]
 
 use shardlab::prelude::*;

@@ -1,5 +1,5 @@
 //! Lesson 08 — mixed precision: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 08`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 08`. Hints: `cargo grade 08 --hint K`.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
 use shardlab::prelude::*;

@@ -1,5 +1,5 @@
 //! Lesson 09 — activation checkpointing: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 09`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 09`. Hints: `cargo grade 09 --hint K`.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
 use shardlab::model::{Batch, Model};

@@ -1,5 +1,5 @@
 //! Lesson 10 — distributed checkpoints and elastic restart: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 10`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 10`. Hints: `cargo grade 10 --hint K`.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
 use shardlab::checkpoint::plan::Read;

@@ -1,5 +1,5 @@
 //! Lesson 11 — GPUs, NCCL, multi-node and offload: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 11`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 11`. Hints: `cargo grade 11 --hint K`.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
 use shardlab::comm::store::StoreClient;

@@ -1,5 +1,5 @@
 //! Lesson 12 — tensor parallelism: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 12`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 12`. Hints: `cargo grade 12 --hint K`.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
 use shardlab::comm::{CommError, CommResult, ProcessGroup, ReduceOp};

@@ -1,5 +1,5 @@
 //! Lesson 13 — pipeline parallelism: your exercises.
-//! Replace each `todo!()`; check your work with `cargo grade 13`. Hints are in this lesson's README.
+//! Replace each `todo!()`; check your work with `cargo grade 13`. Hints: `cargo grade 13 --hint K`.
 #![allow(unused_variables, unused_imports, unused_mut)]
 
 use shardlab::comm::{CommResult, ProcessGroup};

@@ -173,14 +173,15 @@ fn grade_lesson(nn: &str, ex: Option<usize>, strict: bool) -> i32 {
     status.code().unwrap_or(1)
 }
 
-/// Prints the hints for exercise `k` of lesson `nn`, one more each time (from the lesson's README:
-/// the `<details><summary>Hint …</summary>…</details>` blocks under `### K.`).
+/// Prints the hints for exercise `k` of lesson `nn`, one more each time (from the lesson's
+/// `hints.md`: the `<details><summary>Hint …</summary>…</details>` blocks under `### K.`; the
+/// README does not print them).
 fn hint(nn: &str, k: usize, level: Option<usize>) -> ! {
     let slug = lessons().into_iter().find(|l| l.0 == nn).map(|l| l.1).unwrap();
-    let readme = std::fs::read_to_string(root().join(format!("lessons/{slug}/README.md"))).unwrap_or_default();
-    let hints = hints(&readme, k);
+    let text = std::fs::read_to_string(root().join(format!("lessons/{slug}/hints.md"))).unwrap_or_default();
+    let hints = hints(&text, k);
     if hints.is_empty() {
-        eprintln!("lesson {nn} has no hints for exercise {k} (see lessons/{slug}/README.md)");
+        eprintln!("lesson {nn} has no hints for exercise {k} (see lessons/{slug}/hints.md)");
         exit(2);
     }
     let state = tmp_dir().join("grades").join("hints").join(format!("{nn}-{k}"));
