@@ -27,10 +27,9 @@ pub fn one_f_one_b(stages: usize, micro_batches: usize, stage: usize) -> Vec<Op>
 /// slots (`Slot { stage, op, start, end }`) in plan order, or an error saying "deadlock" when the
 /// plans can never finish (some stage waits for an operation that waits for it).
 pub fn simulate(plans: &[Vec<Op>], t_f: f64, t_b: f64) -> Result<Vec<Vec<Slot>>, String> {
-    // TODO: keep, per stage, the next operation's index and when the stage is free, and per stage
-    // and micro-batch when each forward and backward ended; sweep the stages, running each
-    // stage's next operation while its input is ready, until all are done — or no stage can move:
-    // a deadlock (without that check your loop never ends) (README, "Simulating a pipeline").
+    // TODO: run every stage's plan by the rules above until all are done, or report the deadlock
+    // when no stage can move — without that check your loop never ends (README, "Simulating a
+    // pipeline"; hints: `cargo grade 13 --hint 2`).
     todo!()
 }
 
@@ -68,8 +67,8 @@ pub fn run_rank(
     batch: &Batch,
     micro_batches: usize,
 ) -> CommResult<(f64, BTreeMap<usize, Tensor>)> {
-    // TODO: each micro-batch's weight from its targets; then walk `plan`: receive, compute, send —
-    // holding an activation back when rank r + 1 sends you a gradient before it reads it
-    // (README, "The executor", "Two neighbours that both send first").
+    // TODO: walk `plan` with real sends and receives, so that the step equals one process's and
+    // never deadlocks where sends block (README, "The executor", "Two neighbours that both send
+    // first", "The loss over micro-batches"; hints: `cargo grade 13 --hint 4`).
     todo!()
 }
