@@ -469,3 +469,31 @@ fn fault_matrix_kills() {
         }
     }
 }
+
+/// Lesson 10's fault-injection lab (`faults`): run as a learner runs it, every scenario ends with
+/// the error its lesson section quotes, on every rank, and the fixed deadlock completes.
+#[test]
+fn the_fault_lab_reports_every_failure_on_every_rank() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_faults")).arg("--json").output().unwrap();
+    assert!(out.status.success(), "faults --json failed: {}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let want: [(&str, &[&str], usize); 7] = [
+        ("kill", &["disconnected unexpectedly", "disconnected unexpectedly", "signal: 9"], 3),
+        ("order", &["ranks disagree", "ranks disagree"], 2),
+        ("stall", &["timed out after 2s waiting for rank 1", "aborted because rank 0 failed: timed out"], 2),
+        ("corrupt", &["does not match its checksum", "rank 0 failed"], 2),
+        ("fp16", &["skipped", "skipped"], 2),
+        ("oom", &["can't allocate memory", "can't allocate memory"], 2),
+        ("deadlock", &["timed out after 3s", "timed out after 3s", "exchanged", "exchanged"], 4),
+    ];
+    assert_eq!(rows.len(), want.len(), "one JSON line per scenario: {rows:?}");
+    for ((name, words, n), row) in want.iter().zip(&rows) {
+        assert_eq!(row["scenario"], *name);
+        let ranks: Vec<&str> = row["ranks"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        assert_eq!(ranks.len(), *n, "{name}: {ranks:?}");
+        for (line, w) in ranks.iter().zip(words.iter()) {
+            assert!(line.contains(w), "{name}: expected {w:?} in {line:?}");
+        }
+    }
+}
