@@ -596,3 +596,34 @@ fn every_exercise_has_hints_and_no_readme_prints_them() {
     assert!(lessons >= 15, "lessons with exercises: {lessons}");
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// A lesson reads in one sitting: what a learner needs before the exercises (the opening and the
+/// concepts, everything above `## Exercises`) is at most about 350 lines; derivations, design notes
+/// and measurements go below a `## Reference` heading at the end.
+#[test]
+fn every_lesson_reads_in_one_sitting() {
+    let mut long = Vec::new();
+    for e in fs::read_dir(root().join("lessons")).unwrap().flatten() {
+        let Ok(text) = fs::read_to_string(e.path().join("README.md")) else { continue };
+        if !e.path().join("exercise.rs").exists() {
+            continue;
+        }
+        let name = e.file_name().to_string_lossy().to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        let before = lines.iter().position(|l| l.starts_with("## Exercises")).unwrap_or(lines.len());
+        if before > 360 {
+            long.push(format!("{name}: {before} lines before `## Exercises` (at most about 350)"));
+        }
+        if let Some(r) = lines.iter().position(|l| *l == "## Reference") {
+            if lines[r + 1..].iter().any(|l| l.starts_with("## ")) {
+                long.push(format!("{name}: a `## ` section after `## Reference` (the reference comes last)"));
+            }
+        } else if lines.len() > 450 {
+            long.push(format!(
+                "{name}: {} lines and no `## Reference` section for what the exercises do not need",
+                lines.len()
+            ));
+        }
+    }
+    assert!(long.is_empty(), "{}", long.join("\n"));
+}
