@@ -474,7 +474,29 @@ fn fault_matrix_kills() {
 /// the error its lesson section quotes, on every rank, and the fixed deadlock completes.
 #[test]
 fn the_fault_lab_reports_every_failure_on_every_rank() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_faults")).arg("--json").output().unwrap();
+    // Run as a learner would, without the environment knobs that change its transport or buffers,
+    // and never longer than 3 minutes (the scenarios' timeouts add up to well under one).
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_faults"))
+        .arg("--json")
+        .env_remove("SHARDLAB_SOCK_BUF")
+        .env_remove("SHARDLAB_TRANSPORT")
+        .env_remove("SHARDLAB_TIMEOUT_S")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(180) {
+            let _ = child.kill();
+            panic!(
+                "faults --json ran past 3 minutes: {}",
+                String::from_utf8_lossy(&child.wait_with_output().unwrap().stdout)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "faults --json failed: {}", String::from_utf8_lossy(&out.stderr));
     let rows: Vec<serde_json::Value> =
         String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
@@ -483,9 +505,9 @@ fn the_fault_lab_reports_every_failure_on_every_rank() {
         ("order", &["ranks disagree", "ranks disagree"], 2),
         ("stall", &["timed out after 2s waiting for rank 1", "aborted because rank 0 failed: timed out"], 2),
         ("corrupt", &["does not match its checksum", "rank 0 failed"], 2),
-        ("fp16", &["skipped", "skipped"], 2),
+        ("fp16", &["skipped (gradients inf or NaN; scale 2^30", "skipped (gradients inf or NaN; scale 2^30"], 2),
         ("oom", &["can't allocate memory", "can't allocate memory"], 2),
-        ("deadlock", &["timed out after 3s", "timed out after 3s", "exchanged", "exchanged"], 4),
+        ("deadlock", &["timed out after 3s", "timed out after 3s", "] exchanged", "] exchanged"], 4),
     ];
     assert_eq!(rows.len(), want.len(), "one JSON line per scenario: {rows:?}");
     for ((name, words, n), row) in want.iter().zip(&rows) {
@@ -494,6 +516,13 @@ fn the_fault_lab_reports_every_failure_on_every_rank() {
         assert_eq!(ranks.len(), *n, "{name}: {ranks:?}");
         for (line, w) in ranks.iter().zip(words.iter()) {
             assert!(line.contains(w), "{name}: expected {w:?} in {line:?}");
+            assert!(!line.contains("did not happen"), "{name}: {line}");
+        }
+        if *name == "fp16" {
+            assert!(
+                ranks.iter().all(|l| l.contains(" taken at scale 2^")),
+                "fp16: the scaler must end up taking a step: {ranks:?}"
+            );
         }
     }
 }
