@@ -259,7 +259,7 @@ shardlab::graders! {
         assert!(
             wrote.is_ok(),
             "unstage into a parameter (a leaf that requires grad) failed: the copy back must not be recorded by \
-             autograd (see the hints)"
+             autograd (`cargo grade 11 --hint 4`)"
         );
         assert_eq!(values(&p.detach()), vec![1.0, 2.0, 3.0], "the parameter must hold the result");
         assert!(p.requires_grad() && p.is_leaf(), "the parameter must stay a leaf that requires grad");

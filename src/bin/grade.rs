@@ -202,11 +202,11 @@ fn hint(nn: &str, k: usize, level: Option<usize>) -> ! {
     exit(0)
 }
 
-/// The hint texts of exercise `k` in a lesson README, as plain text.
-fn hints(readme: &str, k: usize) -> Vec<String> {
+/// The hint texts of exercise `k` in a lesson's `hints.md`, as plain text.
+fn hints(text: &str, k: usize) -> Vec<String> {
     let head = format!("### {k}.");
-    let Some(start) = readme.find(&head) else { return vec![] };
-    let section = &readme[start + head.len()..];
+    let Some(start) = text.find(&head) else { return vec![] };
+    let section = &text[start + head.len()..];
     let end = section.find("\n### ").or_else(|| section.find("\n## ")).unwrap_or(section.len());
     let mut out = Vec::new();
     let mut rest = &section[..end];
