@@ -223,39 +223,52 @@ shardlab::graders! {
         }
     }
 
-    /// One process's causal self-attention (nanoGPT's `CausalSelfAttention`, written out here):
-    /// q, k, v from the whole c_attn, `n_head` heads, scores ÷ `scale` (√(head size) when right),
-    /// future positions masked when `causal`, then the whole c_proj.
-    fn attention_ref(x: &Tensor, w: &[Tensor; 4], n_head: i64, scale: f64, causal: bool) -> Tensor {
-        let (b, t, c) = x.size3().unwrap();
-        let hs = c / n_head;
-        let qkv = x.linear(&w[0], Some(&w[1]));
-        let head = |i: i64| qkv.narrow(2, i * c, c).reshape([b, t, n_head, hs]).transpose(1, 2);
+    /// Attention over the heads of `qkv` (B, T, 3·width: q, then k, then v, each `width` wide in
+    /// heads of `hs`): scores ÷ `scale`, the future masked to −∞ when `causal`, softmax, the heads
+    /// back together: (B, T, width).
+    fn heads_attention(qkv: &Tensor, hs: i64, scale: f64, causal: bool) -> Tensor {
+        let (b, t, three) = qkv.size3().unwrap();
+        let width = three / 3;
+        let head = |i: i64| qkv.narrow(2, i * width, width).reshape([b, t, width / hs, hs]).transpose(1, 2);
         let mut att = head(0).matmul(&head(1).transpose(-2, -1)) / scale;
         if causal {
             let future = Tensor::ones([t, t], (Kind::Bool, Device::Cpu)).triu(1);
             att = att.masked_fill(&future, f64::NEG_INFINITY);
         }
-        let y = att.softmax(-1, Kind::Float).matmul(&head(2)).transpose(1, 2).reshape([b, t, c]);
-        y.linear(&w[2], Some(&w[3]))
+        att.softmax(-1, Kind::Float).matmul(&head(2)).transpose(1, 2).reshape([b, t, width])
+    }
+
+    /// One process's causal self-attention (nanoGPT's `CausalSelfAttention`, written out here):
+    /// q, k, v from the whole c_attn, `n_head` heads, scores ÷ `scale` (√(head size) when right),
+    /// future positions masked when `causal`, then the whole c_proj.
+    fn attention_ref(x: &Tensor, w: &[Tensor; 4], n_head: i64, scale: f64, causal: bool) -> Tensor {
+        let c = x.size()[2];
+        heads_attention(&x.linear(&w[0], Some(&w[1])), c / n_head, scale, causal).linear(&w[2], Some(&w[3]))
+    }
+
+    /// Rank `r` of `tp`'s part of c_proj's output, without the bias: its heads' rows of each of q, k
+    /// and v, or with `fused` rows r·3C/t … of the whole c_attn taken as its q, k and v.
+    fn rank_partial(x: &Tensor, w: &[Tensor; 4], n_head: i64, tp: i64, r: i64, fused: bool) -> Tensor {
+        let c = x.size()[2];
+        let (hs, cols) = (c / n_head, c / tp);
+        let (wq, bq) = if fused {
+            // The mistake the README warns about: rows r·3C/t … of the fused matrix.
+            (w[0].narrow(0, r * 3 * cols, 3 * cols), w[1].narrow(0, r * 3 * cols, 3 * cols))
+        } else {
+            // This rank's heads: the same C/t rows of each of the q, k and v blocks.
+            (
+                w[0].reshape([3, c, c]).narrow(1, r * cols, cols).reshape([3 * cols, c]),
+                w[1].reshape([3, c]).narrow(1, r * cols, cols).reshape([3 * cols]),
+            )
+        };
+        let y = heads_attention(&x.linear(&wq, Some(&bq)), hs, (hs as f64).sqrt(), true);
+        y.linear::<Tensor>(&w[2].narrow(1, r * cols, cols), None)
     }
 
     /// The sum over t ranks when each takes rows r·3C/t … of the fused c_attn as if they were its
     /// q, k and v (the mistake the README warns about), for naming it when it happens.
     fn fused_split_ref(x: &Tensor, w: &[Tensor; 4], n_head: i64, tp: i64) -> Tensor {
-        let (b, t, c) = x.size3().unwrap();
-        let (hs, cols) = (c / n_head, c / tp);
-        let h = cols / hs;
-        let mut out = w[3].shallow_clone() * 1.0;
-        for r in 0..tp {
-            let qkv = x.linear(&w[0].narrow(0, r * 3 * cols, 3 * cols), Some(&w[1].narrow(0, r * 3 * cols, 3 * cols)));
-            let head = |i: i64| qkv.narrow(2, i * cols, cols).reshape([b, t, h, hs]).transpose(1, 2);
-            let future = Tensor::ones([t, t], (Kind::Bool, Device::Cpu)).triu(1);
-            let att = (head(0).matmul(&head(1).transpose(-2, -1)) / (hs as f64).sqrt()).masked_fill(&future, f64::NEG_INFINITY);
-            let y = att.softmax(-1, Kind::Float).matmul(&head(2)).transpose(1, 2).reshape([b, t, cols]);
-            out = out + y.linear::<Tensor>(&w[2].narrow(1, r * cols, cols), None);
-        }
-        out
+        (0..tp).fold(w[3].shallow_clone() * 1.0, |out, r| out + rank_partial(x, w, n_head, tp, r, true))
     }
 
     #[test]
@@ -289,18 +302,7 @@ shardlab::graders! {
                 if d >= 1e-5 {
                     let near = |other: &Tensor| max_diff(&y, other, &at) < 1e-5;
                     // This rank's heads alone (a correct split, not summed): its partial plus the bias.
-                    let own = {
-                        let (hs, cols) = (c / n_head, c / tp as i64);
-                        let r = r as i64;
-                        let wq = w[0].reshape([3, c, c]).narrow(1, r * cols, cols).reshape([3 * cols, c]);
-                        let bq = w[1].reshape([3, c]).narrow(1, r * cols, cols).reshape([3 * cols]);
-                        let qkv = x.linear(&wq, Some(&bq));
-                        let head = |i: i64| qkv.narrow(2, i * cols, cols).reshape([b, t, cols / hs, hs]).transpose(1, 2);
-                        let future = Tensor::ones([t, t], (Kind::Bool, Device::Cpu)).triu(1);
-                        let att = (head(0).matmul(&head(1).transpose(-2, -1)) / (hs as f64).sqrt()).masked_fill(&future, f64::NEG_INFINITY);
-                        let yh = att.softmax(-1, Kind::Float).matmul(&head(2)).transpose(1, 2).reshape([b, t, cols]);
-                        yh.linear(&w[2].narrow(1, r * cols, cols), Some(&w[3]))
-                    };
+                    let own = rank_partial(&x, &w, n_head, tp as i64, r as i64, false) + &w[3];
                     let why = if bool::try_from(y.isnan().any()).unwrap_or(false) {
                         "the output holds NaN: a softmax row with every score −∞ (mask only the positions after the \
                          query, j > i, before the softmax, along the last dimension)"
