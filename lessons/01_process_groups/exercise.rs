@@ -11,7 +11,8 @@ use std::time::Duration;
 /// increasing order. Every pair must be connected exactly once, and no rank may wait for a
 /// connection from a rank that is itself waiting for it (that would deadlock).
 pub fn dial_plan(rank: usize, world_size: usize) -> (Vec<usize>, Vec<usize>) {
-    // TODO: return (ranks to dial, ranks to accept from). Hint: let one side of every pair listen.
+    // TODO: return (ranks to dial, ranks to accept from), each increasing. Hint: let one side of
+    // every pair listen (`cargo grade 01 --hint 1`).
     todo!()
 }
 
@@ -25,8 +26,9 @@ pub fn exchange_addresses(
     my_addr: &str,
     timeout: Duration,
 ) -> Result<Vec<String>, String> {
-    // TODO: set `addr/<rank>` to `my_addr`, then get every rank's `addr/<r>` (wait at most `timeout`
-    // in total) and name the ranks that never showed up in the error.
+    // TODO: publish `my_addr` as `addr/<rank>`; return every rank's address in rank order, waiting
+    // at most `timeout` in all, or an Err naming the ranks that never published (hints:
+    // `cargo grade 01 --hint 2`).
     todo!()
 }
 
@@ -40,7 +42,7 @@ pub fn store_barrier(
     world_size: usize,
     timeout: Duration,
 ) -> Result<(), String> {
-    // TODO: record that `rank` arrived, count arrivals with `store.add`, let the last arrival open the
-    // barrier, wait for it to open; on timeout name the ranks that never arrived.
+    // TODO: return Ok once all `world_size` ranks have arrived at barrier `name`, never earlier;
+    // after `timeout`, an Err naming the ranks that never arrived (`cargo grade 01 --hint 3`).
     todo!()
 }

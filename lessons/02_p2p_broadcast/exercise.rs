@@ -9,8 +9,8 @@ use shardlab::prelude::*;
 /// Returns `(parent, children)` of `v`: the root (v = 0) has no parent; children are listed
 /// biggest subtree first. Every rank is reached, and the depth is at most ⌈log2 n⌉.
 pub fn tree_links(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
-    // TODO: v's parent and children in the binomial tree over n ranks, biggest subtree first
-    // (README; hints: `cargo grade 02 --hint 1`).
+    // TODO: return v's parent (None for the root) and children, biggest subtree first, in the
+    // binomial tree over n ranks (README; hints: `cargo grade 02 --hint 1`).
     todo!()
 }
 
@@ -18,8 +18,8 @@ pub fn tree_links(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
 /// along the tree of exercise 1: receive from your parent (unless you are the root), then send
 /// to each of your children.
 pub fn tree_broadcast(pg: &ProcessGroup, t: &mut Tensor, root: usize) -> CommResult<()> {
-    // TODO: the tree of exercise 1, rooted at `root` instead of 0: receive from your parent, send
-    // to your children (README; hints: `cargo grade 02 --hint 2`).
+    // TODO: leave `root`'s `t` in `t` on every rank, moved only by `pg.send` and `pg.recv` along
+    // exercise 1's tree rooted at `root` (README; hints: `cargo grade 02 --hint 2`).
     todo!()
 }
 
@@ -27,7 +27,7 @@ pub fn tree_broadcast(pg: &ProcessGroup, t: &mut Tensor, root: usize) -> CommRes
 /// parameter from rank 0, then compare `shardlab::params::checksum` across all ranks with
 /// collectives. Returns the common checksum, or an error if any rank differs.
 pub fn sync_and_verify(pg: &ProcessGroup, params: &mut [Tensor]) -> Result<u64, String> {
-    // TODO: broadcast every tensor from rank 0, compute shardlab::params::checksum, compare it
-    // across ranks (hint: all_reduce Max and Min of an i64 tensor) and return it or an error.
+    // TODO: leave rank 0's values in every tensor of `params`; return the checksum every rank then
+    // has, or an Err on every rank if any rank's differs (hints: `cargo grade 02 --hint 3`).
     todo!()
 }

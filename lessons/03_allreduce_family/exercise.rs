@@ -8,7 +8,8 @@ use std::ops::Range;
 /// Exercise 1 — split `numel` elements into `n` contiguous segments, as evenly as possible
 /// (sizes differ by at most one), in order, covering everything.
 pub fn ring_segments(numel: usize, n: usize) -> Vec<Range<usize>> {
-    // TODO: return n ranges of element indices, in order, sizes differing by at most one.
+    // TODO: return n contiguous ranges that cover 0..numel in order, sizes differing by at most one
+    // (hints: `cargo grade 03 --hint 1`).
     todo!()
 }
 
@@ -19,8 +20,8 @@ pub fn ring_segments(numel: usize, n: usize) -> Vec<Range<usize>> {
 /// After the reduce-scatter phase rank r must hold the complete sum of segment (r+1) mod n, and
 /// after the all-gather phase every rank holds every complete segment.
 pub fn ring_schedule(rank: usize, n: usize, step: usize, gather: bool) -> (usize, usize) {
-    // TODO: return (segment sent to rank+1, segment received from rank-1) at this step of this
-    // phase. What you receive is what your left neighbour sends.
+    // TODO: return (segment sent to rank+1, segment received from rank−1) at this step of this
+    // phase; what you receive is what your left neighbour sends (hints: `cargo grade 03 --hint 2`).
     todo!()
 }
 
@@ -29,10 +30,9 @@ pub fn ring_schedule(rank: usize, n: usize, step: usize, gather: bool) -> (usize
 /// phase (copy it). A send returns once its bytes fit in the kernel's socket buffers, so a large
 /// send waits for its receiver: order them so that a ring of sends cannot deadlock.
 pub fn ring_all_reduce(pg: &ProcessGroup, t: &mut Tensor) -> CommResult<()> {
-    // TODO: for each phase and each of the n−1 steps: send your `send` segment to rank+1 and
-    // receive the `recv` segment from rank−1, then add it into (reduce-scatter) or copy it over
-    // (all-gather) your segment of t. Blocking sends of large messages must not deadlock the
-    // ring: see the README's "Deadlock" concept.
+    // TODO: leave in `t` on every rank the sum of every rank's `t`, with only `pg.send` and
+    // `pg.recv` along the schedule of exercises 1 and 2, and no deadlock when large sends block
+    // (README, "Deadlock"; hints: `cargo grade 03 --hint 3`).
     todo!()
 }
 

@@ -10,7 +10,8 @@ use std::ops::Range;
 /// trains on: equal, disjoint, contiguous shares in rank order (rank 0 first). The global batch
 /// is a multiple of the world size.
 pub fn shard_rows(global_batch: usize, rank: usize, world_size: usize) -> Range<usize> {
-    // TODO: each rank gets global_batch / world_size rows; rank r's start where rank r−1's end.
+    // TODO: return this rank's rows: equal, contiguous shares in rank order that together cover
+    // 0..global_batch (hints: `cargo grade 04 --hint 1`).
     todo!()
 }
 
@@ -18,8 +19,8 @@ pub fn shard_rows(global_batch: usize, rank: usize, world_size: usize) -> Range<
 /// with rank 0's values, in as few broadcasts as buckets of at most `bucket_bytes` allow (packing
 /// consecutive parameters; a larger one alone).
 pub fn sync_initial_weights(pg: &ProcessGroup, params: &mut [Tensor], bucket_bytes: usize) -> CommResult<()> {
-    // TODO: send rank 0's parameters to every rank, a bucket of consecutive parameters per
-    // message, and write what arrives back into each parameter in place.
+    // TODO: overwrite every parameter in place with rank 0's values, one broadcast per bucket of
+    // consecutive parameters of at most `bucket_bytes` (hints: `cargo grade 04 --hint 2`).
     todo!()
 }
 

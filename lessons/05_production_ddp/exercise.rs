@@ -12,8 +12,8 @@ use shardlab::prelude::*;
 /// parameter larger than `cap` gets a bucket of its own. Each bucket lists parameter indices in
 /// the order visited.
 pub fn assign_buckets(sizes: &[usize], cap: usize) -> Vec<Vec<usize>> {
-    // TODO: fill buckets in the order backward produces gradients, closing one before it would
-    // pass `cap` (README; hints: `cargo grade 05 --hint 1`).
+    // TODO: return the buckets of parameter indices, last parameter first, each at most `cap`
+    // bytes unless it holds one larger parameter alone (README; hints: `cargo grade 05 --hint 1`).
     todo!()
 }
 
@@ -21,8 +21,8 @@ pub fn assign_buckets(sizes: &[usize], cap: usize) -> Vec<Vec<usize>> {
 /// parameter's gradient is final once the backward of `param_stages[i]` (the first stage that
 /// uses it) has run. Return the stage after whose backward every gradient in `bucket` is final.
 pub fn bucket_ready_stage(bucket: &[usize], param_stages: &[usize]) -> usize {
-    // TODO: the bucket is ready after the backward of the earliest (smallest) first-use stage
-    // among its parameters.
+    // TODO: return the stage after whose backward every gradient in `bucket` is final (hints:
+    // `cargo grade 05 --hint 2`).
     todo!()
 }
 
@@ -36,7 +36,7 @@ pub fn accumulate_step(
     batch: &Batch,
     accum: i64,
 ) -> CommResult<f64> {
-    // TODO: accumulate over the micro-batches with gradient sync only on the last one, each weighed
-    // by its share of the batch; then one optimizer step (README; hints: `cargo grade 05 --hint 3`).
+    // TODO: one optimizer step on this batch's gradient, built from `accum` micro-batches and
+    // synced across ranks once; return the batch's mean loss (hints: `cargo grade 05 --hint 3`).
     todo!()
 }

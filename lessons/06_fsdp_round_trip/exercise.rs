@@ -9,25 +9,24 @@ use std::ops::Range;
 /// Exercise 1 — pad and shard. A unit of `numel` elements is padded to the next multiple of
 /// `world_size` and cut into equal shards. Returns `(padded, rank's range of flat elements)`.
 pub fn pad_and_shard(numel: i64, world_size: usize, rank: usize) -> (i64, Range<i64>) {
-    // TODO: find how many elements each of the world_size equal shards needs so that together they
-    // cover all numel elements, the padded size that makes, and which contiguous slice of it
-    // belongs to this rank (README, "Flatten, pad, shard").
+    // TODO: return (the smallest multiple of world_size that is at least numel, this rank's equal,
+    // contiguous slice of it) (README, "Flatten, pad, shard"; hints: `cargo grade 06 --hint 1`).
     todo!()
 }
 
 /// Exercise 2 — materialise a unit: all-gather every rank's `shard` (1-D, equal sizes) into a
 /// new flat buffer of `shard.numel() × world_size` elements, rank 0's shard first.
 pub fn gather_unit(pg: &ProcessGroup, shard: &Tensor) -> CommResult<Tensor> {
-    // TODO: allocate the output buffer yourself, then fill it with the one collective of lesson 03
-    // that gives every rank every rank's input, in rank order.
+    // TODO: return a new 1-D tensor of shard.numel() × world_size elements holding every rank's
+    // shard in rank order, made by one collective (hints: `cargo grade 06 --hint 2`).
     todo!()
 }
 
 /// Exercise 3 — after a unit's backward: from this rank's full flat gradient (padded, every rank
 /// the same length), return this rank's shard of the gradient *averaged over all ranks*.
 pub fn reduce_scatter_grads(pg: &ProcessGroup, full_grad: &Tensor) -> CommResult<Tensor> {
-    // TODO: allocate an output the size of one shard, then fill it with the one collective that
-    // combines every rank's gradient and leaves each rank only its own block. Average, not sum.
+    // TODO: return this rank's shard (full_grad.numel() / world_size elements) of the gradient
+    // averaged over all ranks, made by one collective (hints: `cargo grade 06 --hint 3`).
     todo!()
 }
 
@@ -38,10 +37,8 @@ pub fn reduce_scatter_grads(pg: &ProcessGroup, full_grad: &Tensor) -> CommResult
 /// next unit's gather; drop each gathered unit right after its compute; return this rank's shard
 /// of every unit's gradient, averaged over ranks.
 pub fn fsdp_round_trip(pg: &ProcessGroup, shards: &[Tensor], stack: &dyn UnitStack) -> CommResult<Vec<Tensor>> {
-    // TODO: forward over the units in order, then backward in reverse. Before computing a unit,
-    // have its parameters gathered into a buffer from `stack.buffer` and the *next* unit's gather
-    // already started (asynchronously); release each unit as soon as its compute is done. After
-    // each unit's backward, turn its gradient into this rank's averaged shard (exercise 3 helps).
-    // The README's exercise 4 says what is graded.
+    // TODO: one step's forward and backward on gathered units, each unit's next one already
+    // gathering as it computes, at most two held at once; return this rank's averaged gradient
+    // shard of every unit, in unit order (README, exercise 4; hints: `cargo grade 06 --hint 4`).
     todo!()
 }

@@ -8,8 +8,8 @@ use shardlab::prelude::*;
 /// devices, 16-bit weights and gradients (2 bytes each) and `k` bytes of optimizer state per
 /// parameter. `stage` 0 is plain data parallelism, 1–3 the ZeRO stages.
 pub fn zero_bytes_per_device(params: f64, dp: f64, k: f64, stage: u8) -> f64 {
-    // TODO: for each stage, add the bytes of weights, gradients and optimizer state that every
-    // device keeps whole to those it holds only 1/dp of (README, "Where the bytes go").
+    // TODO: return the model-state bytes one device holds at this stage (README, "Where the bytes
+    // go"; hints: `cargo grade 07 --hint 1`).
     todo!()
 }
 
@@ -37,8 +37,8 @@ pub fn adamw_shard_step(
 /// slice of the padded flat parameters); put everyone's updated shards into `flat` (the full
 /// flat parameters, same on every rank afterwards).
 pub fn all_gather_params(pg: &ProcessGroup, flat: &mut Tensor, shard: &Tensor) -> CommResult<()> {
-    // TODO: leave every rank's updated shard, in rank order, in flat on every rank. Note that
-    // `shard` is a view into `flat`.
+    // TODO: leave every rank's updated shard, in rank order, in `flat` on every rank, with one
+    // collective; `shard` is a view into `flat` (hints: `cargo grade 07 --hint 3`).
     todo!()
 }
 
@@ -60,8 +60,8 @@ pub fn zero1_step(
     betas: (f64, f64),
     eps: f64,
 ) -> CommResult<()> {
-    // TODO: get this rank's block of the gradient averaged over all ranks with one collective
-    // (no rank needs the rest), run AdamW on this rank's own shard of flat (exercise 2), then give
-    // every rank every updated shard (exercise 3).
+    // TODO: leave in every rank's `flat` the parameters after one AdamW step on the gradient
+    // averaged over ranks, each rank stepping only its own shard, with one reduce_scatter and one
+    // all_gather (README; hints: `cargo grade 07 --hint 4`).
     todo!()
 }

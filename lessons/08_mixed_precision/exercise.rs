@@ -10,8 +10,8 @@ use shardlab::prelude::*;
 /// sign if you like — libtorch returns plain `0x7FC0`; any NaN passes); ±inf stay ±inf; a value
 /// past bf16's largest finite rounds to inf.
 pub fn to_bf16_bits(x: f32) -> u16 {
-    // TODO: work on x.to_bits(). bf16 keeps the top 16 bits; round the low 16 away to the nearest,
-    // ties to even (README, "Rounding to bf16"). Handle NaN first: it must stay a NaN.
+    // TODO: return the bits of the bf16 nearest to `x`, ties to even; a NaN stays a NaN (README,
+    // "Rounding to bf16"; hints: `cargo grade 08 --hint 1`).
     todo!()
 }
 
@@ -19,8 +19,8 @@ pub fn to_bf16_bits(x: f32) -> u16 {
 /// `working` is its bf16 copy the forward reads; `grad` the gradient (any float dtype). Take one SGD
 /// step `master ← master − lr · grad` **in f32**, then refresh the working copy from the master.
 pub fn master_weight_step(master: &mut Tensor, working: &mut Tensor, grad: &Tensor, lr: f64) {
-    // TODO: the update happens on the f32 master (upcast the gradient), under tch::no_grad; then
-    // the bf16 working copy is refreshed from the master (README, "Master weights").
+    // TODO: `master` takes the step and stays f32; `working` ends as the master rounded to bf16,
+    // in its own storage (README, "Master weights"; hints: `cargo grade 08 --hint 2`).
     todo!()
 }
 
@@ -40,8 +40,8 @@ pub struct ScaleState {
 /// return `true` (the step must be skipped). After a clean step: count it; when the count reaches
 /// `growth_interval`, multiply the scale by `growth_factor` and restart the count; return `false`.
 pub fn update_scale(s: &mut ScaleState, found_inf: bool) -> bool {
-    // TODO: PyTorch's GradScaler rules (README, "Loss scaling"): back off and restart the count on
-    // an overflow, grow after `growth_interval` clean steps in a row.
+    // TODO: update `s` by GradScaler's rules and return whether this step must be skipped (README,
+    // "Loss scaling"; hints: `cargo grade 08 --hint 3`).
     todo!()
 }
 
@@ -50,7 +50,7 @@ pub fn update_scale(s: &mut ScaleState, found_inf: bool) -> bool {
 /// on every rank, so that every rank skips the step together (a rank holds only its own shard of
 /// the gradients under ZeRO, and its own overflow).
 pub fn unscale_and_check(pg: &ProcessGroup, grads: &[Tensor], scale: f64) -> CommResult<bool> {
-    // TODO: divide each gradient by the scale in place, look for inf/NaN, then make every rank
-    // agree on the answer with one collective (README, "Every rank skips together").
+    // TODO: leave `grads` unscaled in place, and return the same answer on every rank: did any rank
+    // find an inf or a NaN? (README, "Every rank skips together"; hints: `cargo grade 08 --hint 4`).
     todo!()
 }

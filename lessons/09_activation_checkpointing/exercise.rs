@@ -11,9 +11,8 @@ use shardlab::prelude::*;
 /// stage has its own graph. Where `recompute[s]` is true, run the stage **without** a graph: it
 /// keeps nothing but its input. Returns every stage's `(input, output)`.
 pub fn checkpointed_forward(model: &dyn Model, batch: &Batch, recompute: &[bool]) -> Vec<(Tensor, Tensor)> {
-    // TODO: walk the stages in order. Stage 0 gets Tensor::new(); every later stage gets the
-    // previous output detached and marked as requiring grad (its own leaf). Use tch::no_grad for
-    // the stages where recompute[s] is true, so they build no graph (README, "Keep only the input").
+    // TODO: one (input, output) per stage, in stage order, with a graph only where `recompute[s]` is
+    // false (README, "Keep only the input"; hints: `cargo grade 09 --hint 1`).
     todo!()
 }
 
@@ -29,10 +28,8 @@ pub fn checkpointed_backward(
     mut kept: Vec<(Tensor, Tensor)>,
     scale: f64,
 ) -> f64 {
-    // TODO: from the last stage to the first: rerun the forward of a recomputed stage (now with a
-    // graph), build the stage's objective (scale × loss for the last stage, sum(out · g_next) for the
-    // others), get the gradients of the parameters the stage uses and of its input with
-    // Tensor::run_backward, and add the parameters' into their .grad (README, "Backward, stage by stage").
+    // TODO: every parameter's `.grad` gains what `(scale × loss).backward()` would add; return the
+    // unscaled loss (README, "Backward, stage by stage"; hints: `cargo grade 09 --hint 2`).
     todo!()
 }
 
@@ -44,9 +41,8 @@ pub fn checkpointed_backward(
 /// before it plus its own full `layer_bytes` are alive. Return the largest total alive at any
 /// moment.
 pub fn peak_activation_bytes(recompute: &[bool], layer_bytes: u64, input_bytes: u64) -> u64 {
-    // TODO: walk the backward's order (last block first), keeping a running total of what is alive:
-    // what does each block hold before backward reaches it, what is freed after its backward, what
-    // is added while a recomputed block runs? The answer is the largest total (README, "The budget").
+    // TODO: return the most bytes alive at any moment of backward (README, "The budget"; hints:
+    // `cargo grade 09 --hint 3`).
     todo!()
 }
 
@@ -57,8 +53,7 @@ pub fn peak_activation_bytes(recompute: &[bool], layer_bytes: u64, input_bytes: 
 /// then the smaller k;
 /// `Option::None` if even full checkpointing does not fit.
 pub fn policy_for_budget(layers: u64, layer_bytes: u64, input_bytes: u64, budget: u64) -> Option<Checkpointing> {
-    // TODO: list the candidate policies, turn each into a per-block recompute mask
-    // (Checkpointing::recomputes works on model stages: blocks are stages 1..=layers), and keep the
-    // one that fits with the fewest recomputed blocks (README, "The budget").
+    // TODO: the policy that fits `budget` with the fewest recomputed blocks (ties as above), or
+    // `Option::None` if none fits (README, "The budget"; hints: `cargo grade 09 --hint 4`).
     todo!()
 }

@@ -14,9 +14,8 @@ use std::ops::Range;
 /// `want` in no piece is an error naming the gap (`"elements 4..5 are in no saved piece"`); an
 /// element in two pieces is an error saying "two saved pieces".
 pub fn plan_reads(saved: &[Range<i64>], want: Range<i64>) -> Result<Vec<Read>, String> {
-    // TODO: intersect `want` with every saved piece (skip empty intersections), sort the hits by
-    // their start, then walk them: each must begin exactly where the previous one ended — a hit that
-    // starts later leaves a gap, one that starts earlier is an overlap (README, "Resharding is interval arithmetic").
+    // TODO: the reads that fill `want` exactly once, sorted by `dst`, or the error for a gap or an
+    // overlap (README, "Resharding is interval arithmetic"; hints: `cargo grade 10 --hint 1`).
     todo!()
 }
 
@@ -31,9 +30,9 @@ pub fn plan_reads(saved: &[Range<i64>], want: Range<i64>) -> Result<Vec<Read>, S
 /// folder, `.tmp` or not, its presence means "complete". Return the disk's error when an
 /// operation fails.
 pub fn commit_checkpoint(disk: &mut SimDisk, step: u64, files: &[(&str, &[u8])]) -> Result<(), SimError> {
-    // TODO: build the checkpoint where no loader looks, make it durable, then switch to it in one
-    // step that is never half done — and `latest` with it (README, "The atomic commit"; the steps
-    // are in the hints: `cargo grade 10 --hint 2`).
+    // TODO: write checkpoint `step` and point `latest` at it; a power loss at any operation must
+    // leave `latest` naming a complete checkpoint (README, "The atomic commit"; hints:
+    // `cargo grade 10 --hint 2`).
     todo!()
 }
 
@@ -43,9 +42,8 @@ pub fn commit_checkpoint(disk: &mut SimDisk, step: u64, files: &[(&str, &[u8])])
 /// highest step among the `step-NNNNNNNN` folders that hold `metadata.json`. `None` if there is
 /// no complete checkpoint. `.tmp` folders are never checkpoints.
 pub fn resume_step(disk: &SimDisk) -> Option<u64> {
-    // TODO: read `latest` (trim it); if it names a step-NNNNNNNN folder with a metadata.json, that is
-    // the step. Otherwise list the root and keep the highest step-NNNNNNNN (8 digits, no .tmp) that
-    // holds a metadata.json (README, "Where a restart resumes").
+    // TODO: the step of the checkpoint a restart loads, by the rule above, or `None` (README, "Where
+    // a restart resumes"; hints: `cargo grade 10 --hint 3`).
     todo!()
 }
 
@@ -64,8 +62,7 @@ pub fn after_failure(
     world_size: usize,
     batch_size: usize,
 ) -> Result<(usize, usize), String> {
-    // TODO: first the restart budget (generation counts from 0), then — only when shrinking — the
-    // largest world size in max(min_world_size, 1)..world_size that divides the global batch
-    // (README, "Elastic restart").
+    // TODO: the next generation's (world_size, batch_size), or the Err that ends the run (README,
+    // "Elastic restart"; hints: `cargo grade 10 --hint 4`).
     todo!()
 }

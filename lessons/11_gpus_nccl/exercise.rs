@@ -15,10 +15,8 @@ use tch::{Device, Kind, Tensor};
 /// lookup), the tied token embedding counted once (it is the output projection) — plus the
 /// attention term 12·L·C·T (L layers, width C, context T = `block_size`).
 pub fn mfu(cfg: &GptConfig, tokens_per_s: f64, devices: usize, peak_tflops: f64) -> f64 {
-    // TODO: count N from the shape (wte V·C; per block two LayerNorms, qkv, the attention output
-    // projection and the two MLP layers, weights and biases; the final LayerNorm), then
-    // flops/token = 6·N + 12·L·C·T, and divide the FLOP/s achieved by devices × peak × 1e12
-    // (README, "MFU: how much of the GPU a run uses").
+    // TODO: return the model's training FLOP/s as a fraction of all the devices' peak (README,
+    // "MFU: how much of the GPU a run uses"; hints: `cargo grade 11 --hint 1`).
     todo!()
 }
 
@@ -36,9 +34,8 @@ pub fn share_unique_id(
     make_id: impl FnOnce() -> Result<[u8; 128], String>,
     timeout: Duration,
 ) -> Result<[u8; 128], String> {
-    // TODO: rank 0 publishes what it got, success or failure, so that no rank waits out the
-    // timeout for nothing; the others wait for it and check what they read (README, "Bring-up:
-    // the unique id"; hints: `cargo grade 11 --hint 2`).
+    // TODO: every rank returns rank 0's id or an error saying why; when rank 0 failed, no rank waits
+    // out the timeout (README, "Bring-up: the unique id"; hints: `cargo grade 11 --hint 2`).
     todo!()
 }
 
@@ -84,8 +81,8 @@ pub fn offload_step(
     grad_hosts: &[Tensor],
     decay: &[Decay],
 ) -> Result<(u64, u64), String> {
-    // TODO: copy each gradient to the host in its kind, then into grad_hosts[i]; opt.step on the
-    // masters; cast each master to params[i].kind() on the host and copy it into params[i]; count
-    // the bytes of what crossed (README, "CPU offload").
+    // TODO: `grad_hosts` filled, the masters stepped and `params` refreshed, all in place; return
+    // the bytes (down, up), or the optimizer's error with no parameter changed (README, "CPU
+    // offload"; hints: `cargo grade 11 --hint 5`).
     todo!()
 }

@@ -47,7 +47,8 @@ pub fn next_token_distribution(logits: &[f64], temperature: f64, top_k: Option<u
 /// (Exercise 3, continued.) One draw from `probs` with a uniform number `u` in [0, 1): the first
 /// token whose cumulative probability exceeds `u` (so a token of probability 0 is never drawn).
 pub fn draw(probs: &[f64], u: f64) -> usize {
-    // TODO: walk the cumulative probabilities.
+    // TODO: the index of the token `u` draws, never one of probability 0 nor past the end (hints:
+    // `cargo grade 14 --hint 3`).
     todo!()
 }
 
@@ -58,8 +59,8 @@ pub fn draw(probs: &[f64], u: f64) -> usize {
 /// the tokens up to and including itself — softmax(q·kᵀ/√D) under the causal mask, times v:
 /// (B, H, T_new, D), equal to full attention over the whole sequence at those positions.
 pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, cache: &mut Option<(Tensor, Tensor)>) -> Tensor {
-    // TODO: grow the cache along the time dimension, then attend (README, "Decoding with a KV
-    // cache"); mind where each new token sits when T_new > 1.
+    // TODO: the new tokens' causal attention, (B, H, T_new, D), with the cache left holding every
+    // token so far (README, "Decoding with a KV cache"; hints: `cargo grade 14 --hint 4`).
     todo!()
 }
 
@@ -93,7 +94,8 @@ pub struct Layout {
 /// layout fits"). The layout is one the engine runs: `tp` divides the heads and the vocabulary,
 /// `pp` is at most the number of stages.
 pub fn rank_state_bytes(shape: &Shape, layout: &Layout) -> Vec<f64> {
-    // TODO: count what one rank of each pipeline stage holds, then the bytes its strategy keeps.
+    // TODO: one entry per pipeline rank, in order: the bytes of model state it holds (README,
+    // "Which layout fits"; hints: `cargo grade 14 --hint 5`).
     todo!()
 }
 
@@ -106,6 +108,7 @@ pub fn rank_state_bytes(shape: &Shape, layout: &Layout) -> Vec<f64> {
 /// any of those layouts needs, in whole bytes (`… needs 3249152`); an error, too, for no ranks,
 /// `max_dp` 0, or a budget that is not a positive number.
 pub fn choose_layout(shape: &Shape, world: usize, max_dp: usize, budget: f64) -> Result<Layout, String> {
-    // TODO: enumerate, filter, order by preference (README, "Which layout fits").
+    // TODO: the preferred layout whose every rank fits `budget`, or the errors above (README,
+    // "Which layout fits"; hints: `cargo grade 14 --hint 5`).
     todo!()
 }

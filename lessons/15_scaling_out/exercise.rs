@@ -10,8 +10,8 @@
 /// every point; a negative fitted latency is 0. An Err for fewer than two points, fewer than two
 /// ranks, a size or time that is not positive, or a fitted slope of 0 or less.
 pub fn fit_alpha_beta(points: &[(f64, f64)], ranks: usize) -> Result<(f64, f64), String> {
-    // TODO: fit a straight line in the message size, weighting each point so that its relative
-    // error counts (README, "The α-β model"); then read α and β off its two coefficients.
+    // TODO: return the fitted (α in seconds, β in bytes per second), or an Err for the cases
+    // above (README, "The α-β model"; hints: `cargo grade 15 --hint 1`).
     todo!()
 }
 
@@ -26,8 +26,8 @@ pub struct Link {
 /// group fills ⌈gpus / per_node⌉ nodes; `gpus` is at most `per_node`, one node, or a multiple of
 /// it), GPUs inside a node joined by `nvlink`, nodes by one NIC per GPU (`nic`). Seconds.
 pub fn all_reduce_seconds(bytes: f64, gpus: usize, per_node: usize, nvlink: Link, nic: Link) -> f64 {
-    // TODO: the ring's latency and bandwidth terms, with the link that bounds each (README, "The
-    // hierarchy").
+    // TODO: the seconds of this ring all-reduce across the hierarchy, by the α-β model (README,
+    // "The hierarchy"; hints: `cargo grade 15 --hint 2`).
     todo!()
 }
 
@@ -46,8 +46,9 @@ pub struct Step {
 /// micro-batches, or (with more than one chunk) micro-batches that are not a multiple of the
 /// stages.
 pub fn interleaved_order(stages: usize, chunks: usize, micro_batches: usize, rank: usize) -> Result<Vec<Step>, String> {
-    // TODO: which chunk and micro-batch the k-th forward and the k-th backward are, how many
-    // forwards warm up, then one forward one backward (README, "The bubble, and interleaving").
+    // TODO: this rank's forwards and backwards in schedule order, each (chunk, micro-batch) once
+    // each way, or an Err for the cases above (README, "The bubble, and interleaving"; hints:
+    // `cargo grade 15 --hint 3`).
     todo!()
 }
 
@@ -71,8 +72,8 @@ pub struct StepComm {
 /// An Err for no ranks, a cap of 0 bytes, a parameter of 0 bytes, or a link whose α is negative
 /// or whose β is not positive.
 pub fn predict_ddp_comm(param_bytes: &[usize], cap: usize, ranks: usize, link: Link) -> Result<StepComm, String> {
-    // TODO: the buckets lesson 05 builds, then what the ring of "The α-β model" costs for each
-    // (README, exercise 4).
+    // TODO: the step's all-reduces, bytes sent per rank and seconds, or an Err for the cases above
+    // (README, exercise 4; hints: `cargo grade 15 --hint 4`).
     todo!()
 }
 
@@ -112,7 +113,7 @@ pub struct MemoryPerGpu {
 /// micro-batches), tp not dividing the heads, pp not dividing the layers, a ZeRO stage above 3,
 /// or ZeRO-2/3 with pp > 1 (DeepSpeed refuses it).
 pub fn memory_per_gpu(plan: &Plan) -> Result<MemoryPerGpu, String> {
-    // TODO: lesson 07's model states for this rank's share of the parameters, then the
-    // activations the first rank of a 1F1B pipeline holds at its peak (README, exercise 5).
+    // TODO: the first pipeline rank's model states and peak activations, in bytes, or an Err for
+    // the cases above (README, exercise 5; hints: `cargo grade 15 --hint 5`).
     todo!()
 }
