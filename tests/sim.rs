@@ -147,12 +147,12 @@ fn sequence_parallelism_and_interleaving_change_memory_as_published() {
 }
 
 /// Narayanan et al. 2021, Table 1 (`sim::validate`): TFLOP/s per GPU as they count them (their
-/// Eq. 3), predicted next to published. The target is 10% on each row; today's model is
-/// within 12% on every row (−11.7% to +3.8%, 3.8% on average): its GEMMs use one tile shape, where
-/// cuBLAS picks among several, so it overcounts wave quantization for some shapes (the 7.5B and
-/// 18.4B rows). This guards the figures lesson 15 prints and says the worst row.
+/// Eq. 3), predicted next to published, each row laid out as the paper's script ran it
+/// (micro-batch, interleaving, DDP). The target is 10% on each row; today's model is at
+/// +1.0% to +9.8% (5.8% on average), every row over: what it leaves out (kernel launches, the
+/// loss scaler's checks, gradient clipping, dropout's masks) only adds time.
 #[test]
-fn megatrons_weak_scaling_table_within_fifteen_percent() {
+fn megatrons_weak_scaling_table_within_ten_percent() {
     let a100 = profile("a100-80gb").unwrap();
     let mut worst = (0.0f64, String::new());
     for r in validate::megatron_table_1() {
@@ -171,7 +171,7 @@ fn megatrons_weak_scaling_table_within_fifteen_percent() {
         }
     }
     println!("worst row: {} at {:+.1}%", worst.1, worst.0 * 100.0);
-    assert!(worst.0.abs() < 0.15, "{} off by {:+.1}%", worst.1, worst.0 * 100.0);
+    assert!(worst.0.abs() < 0.10, "{} off by {:+.1}%", worst.1, worst.0 * 100.0);
 }
 
 #[test]
@@ -257,4 +257,71 @@ fn this_machines_kernels_are_timed_for_every_shape_the_step_asks_for() {
     let mut other = layouts[0];
     (other.micro_batch, other.global_batch) = (4, 4);
     assert!(simulate_step(&model, &gpu, &other).unwrap_err().contains("no time for"));
+}
+
+/// `sim::tp_comm` against the course's tensor-parallel GPT run on thread ranks: the collectives
+/// the simulator charges for a micro-batch, plus the ones it lists as left out, are every
+/// collective `TpGpt` calls in one forward and backward — counted by kind from the group's own
+/// counters — and their ring volume is the bytes each rank's transport sent.
+#[test]
+fn the_simulators_tp_collectives_are_the_ones_tp_really_runs() {
+    use shardlab::comm::{Backend, OpKind};
+    use shardlab::model::{Batch, Gpt, GptConfig};
+    use shardlab::sim::tp_comm::{charged, uncharged, TpCollective};
+    use shardlab::sim::Coll;
+    use tch::{Device, Kind, Tensor};
+    const CFG: GptConfig = GptConfig { vocab_size: 64, block_size: 16, n_layer: 3, n_head: 4, n_embd: 32 };
+    const ROWS: i64 = 2;
+    for tp in [2usize, 4] {
+        for sp in [false, true] {
+            let got = shardlab::launch::spawn(tp, Backend::Local, move |pg| {
+                let mut m = shardlab::tp::TpGpt::from_gpt(&Gpt::new(CFG, 5)?, pg)
+                    .map_err(anyhow::Error::msg)?
+                    .with_sequence_parallel(sp);
+                let ids = Tensor::arange(ROWS * CFG.block_size, (Kind::Int64, Device::Cpu)).remainder(CFG.vocab_size);
+                let batch =
+                    Batch { x: ids.reshape([ROWS, -1]), y: (&ids + 1).remainder(CFG.vocab_size).reshape([ROWS, -1]) };
+                let before = pg.stats();
+                m.forward_backward(pg, &batch)?;
+                let st = pg.stats().since(&before);
+                let calls = [OpKind::AllReduce, OpKind::AllGather, OpKind::ReduceScatter].map(|k| st.calls(k));
+                Ok((calls, st.collectives, st.bytes_sent))
+            })
+            .unwrap();
+            // The simulator's lists for this model: 4-byte activations of ROWS·s·h, L layers, one stage.
+            let (tokens, h, layers) = ((ROWS * CFG.block_size) as f64, CFG.n_embd as f64, CFG.n_layer as usize);
+            let act = 4.0 * tokens * h;
+            let per_model = |list: Vec<TpCollective>| -> Vec<TpCollective> {
+                use shardlab::sim::tp_comm::Part;
+                list.iter()
+                    .flat_map(|c| std::iter::repeat_n(*c, if c.part == Part::Layer { layers } else { 1 }))
+                    .collect()
+            };
+            let (sim, left) = (per_model(charged(act, tokens, sp, false)), per_model(uncharged(act, h, 4.0, sp)));
+            let count = |list: &[TpCollective], k: Coll| list.iter().filter(|c| c.coll == k).count() as u64;
+            let kinds = [Coll::AllReduce, Coll::AllGather, Coll::ReduceScatter];
+            let want = kinds.map(|k| count(&sim, k) + count(&left, k));
+            // A ring moves 2(t − 1)/t of an all-reduce's buffer out of each rank, (t − 1)/t of an
+            // all-gather's or a reduce-scatter's (the whole gathered buffer).
+            let t = tp as f64;
+            let ring = |list: &[TpCollective]| -> f64 {
+                list.iter().map(|c| c.bytes * (t - 1.0) / t * if c.coll == Coll::AllReduce { 2.0 } else { 1.0 }).sum()
+            };
+            let (sim_bytes, left_bytes) = (ring(&sim), ring(&left));
+            for (rank, (calls, collectives, sent)) in got.into_iter().enumerate() {
+                assert_eq!(calls, want, "tp {tp} sp {sp} rank {rank}: all-reduces, all-gathers, reduce-scatters");
+                assert_eq!(collectives, want.iter().sum::<u64>(), "tp {tp} sp {sp} rank {rank}: no other collective");
+                let err = sent as f64 / (sim_bytes + left_bytes) - 1.0;
+                println!(
+                    "tp {tp} sp {sp} rank {rank}: sent {sent} B; charged {sim_bytes:.0} + left out {left_bytes:.0} ({:+.2}%)",
+                    100.0 * err
+                );
+                assert!(
+                    err.abs() < 0.01,
+                    "tp {tp} sp {sp} rank {rank}: sent {sent} B, the simulator's rings {:.0}",
+                    sim_bytes + left_bytes
+                );
+            }
+        }
+    }
 }

@@ -285,34 +285,14 @@ fn scaling(json: bool, svg: Option<PathBuf>) -> anyhow::Result<()> {
 fn published(json: bool) -> anyhow::Result<()> {
     let a100 = profile("a100-80gb").map_err(anyhow::Error::msg)?;
     if !json {
-        println!(
-            "Narayanan et al. 2021, Table 1 (A100-80GB, fp16, full recompute; micro-batch 1, plain 1F1B assumed):"
-        );
-        println!(
-            "{:>8} {:>6} {:>3} {:>3} {:>10} {:>10} {:>7}",
-            "model", "GPUs", "tp", "pp", "published", "predicted", "error"
-        );
+        print!("{}", validate::report(&a100).map_err(anyhow::Error::msg)?);
+        return Ok(());
     }
-    for r in validate::megatron_table_1() {
-        let p = simulate_step(&r.model, &a100, &r.layout).map_err(anyhow::Error::msg)?;
-        let e = p.megatron_tflops_per_gpu / r.tflops_per_gpu - 1.0;
-        if json {
-            println!(
-                "{}",
-                json!({"model": r.name, "gpus": r.layout.gpus(), "published": r.tflops_per_gpu, "predicted": p.megatron_tflops_per_gpu, "error": e})
-            );
-        } else {
-            println!(
-                "{:>8} {:>6} {:>3} {:>3} {:>10.0} {:>10.1} {:>+6.1}%",
-                r.name,
-                r.layout.gpus(),
-                r.layout.tp,
-                r.layout.pp,
-                r.tflops_per_gpu,
-                p.megatron_tflops_per_gpu,
-                100.0 * e
-            );
-        }
+    for (r, p, e) in validate::predicted(&a100, validate::megatron_table_1()).map_err(anyhow::Error::msg)? {
+        println!(
+            "{}",
+            json!({"model": r.name, "gpus": r.layout.gpus(), "published": r.tflops_per_gpu, "predicted": p.megatron_tflops_per_gpu, "error": e})
+        );
     }
     Ok(())
 }

@@ -13,6 +13,11 @@
 //! time  = 2·batch·m·k·n / (peak · gemm_efficiency · busy)
 //! ```
 //!
+//! A GEMM also reads its operands and writes its output, `2·batch·(m·k + k·n + m·n)` bytes in
+//! 16-bit: its time is at least those bytes at the memory bandwidth (the roofline). The
+//! attention's two batched GEMMs, whose k or n is the head size (64–160), sit below the ridge
+//! point of an A100 (312 TFLOP/s over 2 TB/s: about 150 FLOPs a byte) and are bound by memory.
+//!
 //! The backward of `(m, k) × (k, n)` is two GEMMs of the same FLOPs with other outputs: the
 //! input's gradient `(m, n) × (n, k)` and the weight's `(k, m) × (m, n)`.
 
@@ -78,7 +83,11 @@ impl Gemm {
             // shapes were not measured): its peak (`calibrate`'s: the best measured rate), no tiles.
             return self.flops() / gpu.peak_flops(precision);
         }
-        self.flops() / (gpu.peak_flops(precision) * gpu.gemm_efficiency * self.busy(gpu.sms))
+        let compute = self.flops() / (gpu.peak_flops(precision) * gpu.gemm_efficiency * self.busy(gpu.sms));
+        // The roofline: a GEMM cannot finish before its operands are read and its output written.
+        let elt = if precision == Precision::Fp32 { 4.0 } else { 2.0 };
+        let bytes = elt * self.batch as f64 * (self.m * self.k + self.k * self.n + self.m * self.n) as f64;
+        compute.max(bytes / (gpu.memory_bytes_per_s * gpu.memory_efficiency))
     }
 }
 
@@ -103,5 +112,20 @@ mod tests {
         }
         assert_eq!(g.backward()[0], Gemm { batch: 3, m: 2048, k: 1536, n: 512 });
         assert_eq!(g.backward()[1], Gemm { batch: 3, m: 512, k: 2048, n: 1536 });
+    }
+
+    #[test]
+    fn a_gemm_with_a_narrow_inner_dimension_waits_for_memory() {
+        let a100 = crate::sim::profile("a100-80gb").unwrap();
+        let bw = a100.memory_bytes_per_s * a100.memory_efficiency;
+        // Attention scores of GPT-3 175B, one head: (2048 × 128) · (128 × 2048). 1.07 GFLOP over
+        // 2·(2·2048·128 + 2048²) = 9.4 MB: 114 FLOPs a byte, under the A100's ridge point.
+        let scores = Gemm { batch: 96, m: 2048, k: 128, n: 2048 };
+        let bytes = 2.0 * 96.0 * (2.0 * 2048.0 * 128.0 + 2048.0 * 2048.0);
+        assert!((scores.time(&a100, Precision::Bf16) - bytes / bw).abs() < 1e-12);
+        // A layer's MLP GEMM (2048 tokens, 12288 → 49152): about 3,400 FLOPs a byte, bound by compute.
+        let mlp = Gemm { batch: 1, m: 2048, k: 12288, n: 49152 };
+        let compute = mlp.flops() / (a100.peak_flops(Precision::Bf16) * a100.gemm_efficiency * mlp.busy(a100.sms));
+        assert_eq!(mlp.time(&a100, Precision::Bf16), compute);
     }
 }

@@ -13,6 +13,7 @@
 //! * [`model`] — a GPT's parameters, FLOPs, GEMM shapes and element-wise traffic per layer;
 //! * [`gemm`] — a GEMM's time by its shape (tile and wave quantization);
 //! * [`step`] — one step: the pipeline simulated, data parallelism and the optimizer added;
+//! * [`dp_comm`] — data parallelism's reduction (and ZeRO's gathers) by stage, and what of it shows;
 //! * [`tp_comm`] — tensor parallelism's collectives in a step: every layer's, the embedding's,
 //!   the output layer's and the loss's;
 //! * [`search`] — every layout that fits, ranked by tokens/s;
@@ -20,6 +21,7 @@
 
 pub mod calibrate;
 pub mod collective;
+pub mod dp_comm;
 pub mod gemm;
 pub mod hardware;
 pub mod model;

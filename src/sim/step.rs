@@ -13,7 +13,7 @@
 //!    layer's, the embedding's and the output layer's and loss's), recomputation's forward, and
 //!    the send of its activations to the next virtual stage; the last chunk adds the output
 //!    layer;
-//! 2. the data-parallel gradient reduction: an all-reduce (ZeRO-0) or a reduce-scatter and the
+//! 2. the data-parallel gradient reduction (`sim::dp_comm`): an all-reduce (ZeRO-0) or a reduce-scatter and the
 //!    parameters' all-gather (ZeRO-1/2) after the last backward, exposed unless
 //!    `overlap_grad_reduce`, where only what outlasts the last micro-batch's backward shows;
 //!    ZeRO-3 gathers each chunk's parameters before its forward and backward and reduce-scatters
@@ -22,10 +22,11 @@
 //!    a measured profile's time per parameter where it has one).
 
 use super::collective::{time, Coll, Placement};
+use super::dp_comm::{exposed, DpStep};
 use super::gemm::Gemm;
 use super::hardware::Gpu;
 use super::model::Model;
-use super::tp_comm::TpComm;
+use super::tp_comm::{uncharged, TpComm};
 use crate::memory::{layer_activation_bytes, model_state_bytes_with, Recompute, TransformerShape};
 use crate::pipeline::{interleaved, schedule, simulate_timed, ChunkOp, Op, Schedule};
 use crate::precision::Precision;
@@ -162,6 +163,13 @@ pub struct Prediction {
     /// ([`Model::hardware_flops`]; Narayanan et al. 2021's Eq. 3 under full recomputation).
     pub megatron_tflops_per_gpu: f64,
     pub split: Split,
+    /// Tensor parallelism on the busiest rank, seconds a step: of `split.tp_comm`, the
+    /// collectives at the model's ends (embedding, output layer, loss), and what the simulator
+    /// leaves out (`sim::tp_comm::uncharged`, not in the step).
+    #[serde(default)]
+    pub tp_ends_s: f64,
+    #[serde(default)]
+    pub tp_uncharged_s: f64,
     pub memory: Memory,
     /// Whether the memory fits the GPU.
     pub fits: bool,
@@ -250,6 +258,8 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     // Tensor parallelism's collectives: every layer's, the embedding's and the head's (`tp_comm`).
     let tp_comm =
         TpComm::new(gpu, activation, b * model.seq as f64, tp_at, l.sequence_parallel, l.recompute == Recompute::Full);
+    let h = model.hidden as f64;
+    let tp_left = TpComm::of_list(gpu, &uncharged(activation, h, grad, l.sequence_parallel), tp_at);
     // A chunk's activations to the next virtual stage, on NVLink when the two pipeline ranks
     // share a node (ranks tp·dp apart), else a NIC. Each tp rank sends its 1/tp: with sequence
     // parallelism that is what it holds; without, Megatron's scatter-gather all-gathers it on the
@@ -293,63 +303,45 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
     // The busiest rank's work: the first pipeline rank holds the embedding, the last the output
     // layer and the loss.
     let mut split = Split::default();
-    let mut busiest = 0.0;
+    let (mut busiest, mut tp_ends_s, mut tp_uncharged_s) = (0.0, 0.0, 0.0);
     for (r, plan) in plans.iter().enumerate() {
-        let mut s = Split::default();
+        let (mut s, mut ends, mut left) = (Split::default(), 0.0, 0.0);
         for o in plan {
             let k = o.chunk * pp + r;
+            let forward = matches!(o.op, Op::Forward(_));
             s.compute += compute_of(k, o.op);
             s.tp_comm += tp_of(k, o.op);
             s.pp_comm += send_of(k, o.op);
+            ends += tp_comm.ends(k, vs, forward);
+            left += tp_left.of(layers, k, vs, forward);
         }
         if s.compute + s.tp_comm + s.pp_comm >= busiest {
             busiest = s.compute + s.tp_comm + s.pp_comm;
-            split = s;
+            (split, tp_ends_s, tp_uncharged_s) = (s, ends, left);
         }
     }
     split.bubble = makespan - busiest;
 
     // Data parallelism over the first pipeline rank's share of the model (its layers and the
     // token and position embeddings; the last rank holds a copy of the token embedding too).
-    let (h, vocab, seq) = (model.hidden as f64, model.vocab as f64, model.seq as f64);
+    let (vocab, seq) = (model.vocab as f64, model.seq as f64);
     let local = (model.layers / pp) as f64 * model.layer_params() / t + vocab * h / t + seq * h;
     // The last backward a reduction can hide behind: the first rank's last micro-batch, its
     // chunks in turn.
     let last_backward = (0..v).map(|c| compute_of(c * pp, Op::Backward(0))).sum::<f64>();
-    let gather_params = time(gpu, Coll::AllGather, local * act, dp_at);
-    split.dp_exposed = match l.zero {
-        0 => {
-            let reduce = time(gpu, Coll::AllReduce, local * grad, dp_at);
-            if l.overlap_grad_reduce {
-                (reduce - last_backward).max(0.0)
-            } else {
-                reduce
-            }
-        }
-        1 => {
-            // Reduce-scatter the gradients once a step, all-gather the updated weights after the
-            // optimizer (nothing left to hide behind).
-            let reduce = time(gpu, Coll::ReduceScatter, local * grad, dp_at);
-            (if l.overlap_grad_reduce { (reduce - last_backward).max(0.0) } else { reduce }) + gather_params
-        }
-        2 => {
-            // Only 1/dp of the gradients is kept: reduce-scattered after every micro-batch's
-            // backward (hidden behind the next micro-batch's work as far as it lasts).
-            let reduce = time(gpu, Coll::ReduceScatter, local * grad, dp_at);
-            let hidden = if l.overlap_grad_reduce { last_backward } else { 0.0 };
-            let busy = split.compute + split.tp_comm;
-            (m as f64 * reduce - busy).max(reduce - hidden).max(0.0) + gather_params
-        }
-        _ => {
-            // Per micro-batch and chunk: gather for the forward and the backward, reduce-scatter
-            // the gradients; prefetched behind the compute, the first gather exposed.
-            let chunk = local / v as f64;
-            let gather = time(gpu, Coll::AllGather, chunk * act, dp_at);
-            let reduce = time(gpu, Coll::ReduceScatter, chunk * grad, dp_at);
-            let ops = (m * v) as f64;
-            gather + (ops * (2.0 * gather + reduce) - split.compute).max(0.0)
-        }
+    let dp_step = DpStep {
+        params: local,
+        weight_bytes: act,
+        grad_bytes: grad,
+        zero: l.zero,
+        overlap_grad_reduce: l.overlap_grad_reduce,
+        micro_batches: m,
+        chunks: v,
+        last_backward,
+        compute: split.compute,
+        busy: split.compute + split.tp_comm,
     };
+    split.dp_exposed = exposed(gpu, &dp_step, dp_at);
     // AdamW over fp32 master weights: read master, both moments and the gradient, write master,
     // moments and the 16-bit weights (fp32 training: no separate master).
     let optim_bytes = if l.precision == Precision::Fp32 { 28.0 } else { 26.0 + grad };
@@ -391,6 +383,8 @@ pub fn simulate_step(model: &Model, gpu: &Gpu, layout: &Layout) -> Result<Predic
         mfu: tokens_per_s * model.model_flops_per_token() / (gpus * peak),
         megatron_tflops_per_gpu: model.hardware_flops(l.global_batch as f64, l.recompute) / step_s / gpus / 1e12,
         split,
+        tp_ends_s,
+        tp_uncharged_s,
         memory: Memory { model_states, activations, total },
         fits: total <= gpu.memory_bytes,
     })

@@ -305,6 +305,20 @@ fn print_prediction(p: &Prediction, device: f64) {
     for (name, t) in shardlab::sim::search::parts(&p.split) {
         println!("    {name:<16} {:>9.4} s  {:>5.1}%", t, 100.0 * t / p.step_s);
     }
+    print_tp_parts(p);
+}
+
+/// Of tensor parallelism's collectives, those at the model's two ends, and what the simulator
+/// leaves out (`sim::tp_comm`).
+pub fn print_tp_parts(p: &Prediction) {
+    if p.split.tp_comm > 0.0 {
+        println!(
+            "    (tp comm: {:.2} ms at the model's ends — embedding, output layer, loss; not charged: {:.2} ms of \
+             sequence parallelism's re-gathers and small gradient all-reduces)",
+            p.tp_ends_s * 1e3,
+            p.tp_uncharged_s * 1e3
+        );
+    }
 }
 
 fn prediction_json(m: &Model, gpu: &Gpu, l: &Layout, p: &Prediction) -> serde_json::Value {
@@ -313,6 +327,7 @@ fn prediction_json(m: &Model, gpu: &Gpu, l: &Layout, p: &Prediction) -> serde_js
         "step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
         "megatron_tflops_per_gpu": p.megatron_tflops_per_gpu,
         "memory_per_gpu_bytes": p.memory.total, "memory": p.memory, "fits": p.fits, "split": p.split,
+        "tp_ends_s": p.tp_ends_s, "tp_uncharged_s": p.tp_uncharged_s,
     })
 }
 

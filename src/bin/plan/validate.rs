@@ -174,7 +174,8 @@ pub fn this_machine(repeats: usize, json: bool) -> anyhow::Result<()> {
             println!(
                 "{}",
                 json!({"layout": name, "predicted_step_s": predicted.step_s, "measured_step_s": measured,
-                       "runs_s": runs, "error": error, "split": predicted.split})
+                       "runs_s": runs, "error": error, "split": predicted.split,
+                       "tp_ends_s": predicted.tp_ends_s})
             );
         } else {
             let ms: Vec<String> = runs.iter().map(|s| format!("{:.0}", s * 1e3)).collect();
@@ -186,6 +187,14 @@ pub fn this_machine(repeats: usize, json: bool) -> anyhow::Result<()> {
                 100.0 * error,
                 ms.join(" ")
             );
+            if predicted.split.tp_comm > 0.0 {
+                println!(
+                    "{:<24} of which tp comm {:.1} ms, {:.1} ms of it at the model's ends (embedding, output layer, loss)",
+                    "",
+                    predicted.split.tp_comm * 1e3,
+                    predicted.tp_ends_s * 1e3
+                );
+            }
         }
         errors.push(error);
     }
@@ -202,12 +211,7 @@ pub fn this_machine(repeats: usize, json: bool) -> anyhow::Result<()> {
 /// The published runs (Narayanan et al. 2021, Table 1) predicted, and the simulator's own time.
 pub fn published(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
     anyhow::ensure!(gpu.name == "a100-80gb", "the published runs are on A100-80GB: --gpu a100-80gb (the default)");
-    let mut rows = Vec::new();
-    for r in validate::megatron_table_1() {
-        let p = simulate_step(&r.model, gpu, &r.layout).map_err(anyhow::Error::msg)?;
-        let err = p.megatron_tflops_per_gpu / r.tflops_per_gpu - 1.0;
-        rows.push((r, p, err));
-    }
+    let rows = validate::predicted(gpu, validate::megatron_table_1()).map_err(anyhow::Error::msg)?;
     // The simulator's own time: the 175B model on 8, 1,024 and 16,384 GPUs.
     let model = Model::gpt(96, 12288, 96);
     let mut timings = Vec::new();
@@ -225,6 +229,7 @@ pub fn published(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
             .iter()
             .map(|(r, p, e)| {
                 json!({"model": r.name, "gpus": r.layout.gpus(), "tp": r.layout.tp, "pp": r.layout.pp,
+                "interleave": r.layout.interleave, "micro_batch": r.layout.micro_batch,
                 "published_tflops": r.tflops_per_gpu, "predicted_tflops": p.megatron_tflops_per_gpu, "error": e})
             })
             .collect();
@@ -232,25 +237,7 @@ pub fn published(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
         println!("{}", json!({"megatron_table_1": v, "simulator_seconds": t}));
         return Ok(());
     }
-    println!("Narayanan et al. 2021, Table 1 (A100-80GB, fp16, full recompute; micro-batch 1 and plain 1F1B assumed):");
-    println!(
-        "{:>8} {:>6} {:>3} {:>3} {:>6} {:>10} {:>10} {:>7}",
-        "model", "GPUs", "tp", "pp", "batch", "published", "predicted", "error"
-    );
-    for (r, p, e) in &rows {
-        println!(
-            "{:>8} {:>6} {:>3} {:>3} {:>6} {:>10.0} {:>10.1} {:>+6.1}%",
-            r.name,
-            r.layout.gpus(),
-            r.layout.tp,
-            r.layout.pp,
-            r.layout.global_batch,
-            r.tflops_per_gpu,
-            p.megatron_tflops_per_gpu,
-            100.0 * e
-        );
-    }
-    println!("(TFLOP/s per GPU as the paper counts them, its Eq. 3 with the recomputed forward.)");
+    print!("{}", validate::report(gpu).map_err(anyhow::Error::msg)?);
     for (g, m, s) in timings {
         println!("simulating GPT-175B on {g:>6} GPUs ({m} micro-batches a replica): {:.1} ms", s * 1e3);
     }
