@@ -9,7 +9,8 @@
 //! this machine's cores):
 //!
 //! * every dense GEMM shape the simulated step asks for ([`dense_gemm_shapes`]): the median time
-//!   of `matmul` on tensors of that shape — the table [`Gpu::gemm_table`] that takes the place of
+//!   of `matmul` on tensors of that shape, with cold caches as in a step (each timing cycles
+//!   through copies of its operands that span twice the last-level cache) — the table [`Gpu::gemm_table`] that takes the place of
 //!   the GPU's peak and its tile and wave quantization;
 //! * the attention: libtorch's fused `scaled_dot_product_attention` (what `Gpt::block` calls; on a
 //!   CPU a flash-attention kernel that never writes the s × s scores), forward and backward, kept
@@ -51,33 +52,72 @@ fn randn(shape: &[i64]) -> Tensor {
     Tensor::randn(shape, (Kind::Float, Device::Cpu))
 }
 
-/// Seconds of one `(batch × m × k) · (batch × k × n)` product in fp32.
+/// This machine's last-level cache, bytes (Linux's sysfs; 32 MiB where it cannot be read).
+fn last_level_cache() -> usize {
+    (0..8)
+        .rev()
+        .find_map(|i| std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size")).ok())
+        .and_then(|s| {
+            let s = s.trim();
+            let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+            let n: usize = n.parse().ok()?;
+            Some(
+                n * match unit {
+                    "K" => 1 << 10,
+                    "M" => 1 << 20,
+                    _ => 1,
+                },
+            )
+        })
+        .unwrap_or(32 << 20)
+}
+
+/// Cold caches: in a step, a kernel finds its operands pushed out of the caches by the kernels
+/// between, where a kernel timed again and again on the same tensors finds them cache-hot. Each
+/// timing cycles through enough copies of its operands (`make` builds one set of `bytes`) to
+/// span twice the last-level cache, at most 64.
+fn cold_sets<T>(bytes: usize, make: impl Fn() -> T) -> Vec<T> {
+    (0..(2 * last_level_cache()).div_ceil(bytes.max(1)).clamp(1, 64)).map(|_| make()).collect()
+}
+
+/// [`median_seconds`] of `f` on each of `sets` in turn.
+fn median_cold<T>(reps: usize, sets: &[T], mut f: impl FnMut(&T)) -> f64 {
+    let mut i = 0;
+    median_seconds(reps, || {
+        f(&sets[i % sets.len()]);
+        i += 1;
+    })
+}
+
+/// Seconds of one `(batch × m × k) · (batch × k × n)` product in fp32, operands cold.
 pub fn time_gemm(g: &Gemm, reps: usize) -> f64 {
     let (b, m, k, n) = (g.batch as i64, g.m as i64, g.k as i64, g.n as i64);
+    let sets = cold_sets(4 * (b * (m * k + k * n)) as usize, || (randn(&[b, m, k]), randn(&[b, k, n])));
     if b == 1 {
-        let (x, w) = (randn(&[m, k]), randn(&[k, n]));
-        median_seconds(reps, || drop(x.matmul(&w)))
+        median_cold(reps, &sets, |(x, w)| drop(x.squeeze_dim(0).matmul(&w.squeeze_dim(0))))
     } else {
-        let (x, w) = (randn(&[b, m, k]), randn(&[b, k, n]));
-        median_seconds(reps, || drop(x.bmm(&w)))
+        median_cold(reps, &sets, |(x, w)| drop(x.bmm(w)))
     }
 }
 
 /// Seconds of the fused causal attention's forward, and of its backward, for `batch` sequences of
-/// `heads` heads, `seq` tokens and head size `d`.
+/// `heads` heads, `seq` tokens and head size `d`, operands cold.
 pub fn time_attention(batch: usize, heads: usize, seq: usize, d: usize, reps: usize) -> (f64, f64) {
     let shape = [batch as i64, heads as i64, seq as i64, d as i64];
-    let qkv: Vec<Tensor> = (0..3).map(|_| randn(&shape).set_requires_grad(true)).collect();
-    let grad_out = randn(&shape);
-    let sdpa =
-        || Tensor::scaled_dot_product_attention::<Tensor>(&qkv[0], &qkv[1], &qkv[2], None, 0.0, true, None, false);
-    let forward = median_seconds(reps, || drop(tch::no_grad(sdpa)));
+    let sets = cold_sets(4 * 4 * batch * heads * seq * d, || {
+        let qkv: Vec<Tensor> = (0..3).map(|_| randn(&shape).set_requires_grad(true)).collect();
+        (qkv, randn(&shape))
+    });
+    let sdpa = |qkv: &[Tensor]| {
+        Tensor::scaled_dot_product_attention::<Tensor>(&qkv[0], &qkv[1], &qkv[2], None, 0.0, true, None, false)
+    };
+    let forward = median_cold(reps, &sets, |(qkv, _)| drop(tch::no_grad(|| sdpa(qkv))));
     // Forward and backward together, less the forward; the backward gets the output's gradient
     // through a product with a constant (one element-wise pass over the output, small beside the
     // attention's s² work).
-    let both = median_seconds(reps, || {
-        let y = sdpa();
-        drop(Tensor::run_backward(&[(&y * &grad_out).sum(Kind::Float)], &qkv, false, false));
+    let both = median_cold(reps, &sets, |(qkv, grad_out)| {
+        let y = sdpa(qkv);
+        drop(Tensor::run_backward(&[(&y * grad_out).sum(Kind::Float)], qkv, false, false));
     });
     (forward, (both - forward).max(0.0))
 }
@@ -86,18 +126,18 @@ pub fn time_attention(batch: usize, heads: usize, seq: usize, d: usize, reps: us
 /// width `f` on this rank: two LayerNorms, the GeLU and two residual adds, forward and backward.
 pub fn time_elementwise(rows: usize, h: usize, f: usize, reps: usize) -> f64 {
     let (r, h, f) = (rows as i64, h as i64, f as i64);
-    let x = randn(&[r, h]).set_requires_grad(true);
-    let u = randn(&[r, f]).set_requires_grad(true);
     let (w, b) = (Tensor::ones([h], (Kind::Float, Device::Cpu)), Tensor::zeros([h], (Kind::Float, Device::Cpu)));
-    let (gh, gf) = (randn(&[r, h]), randn(&[r, f]));
-    median_seconds(reps, || {
+    let sets = cold_sets(4 * 2 * (r * (h + f)) as usize, || {
+        (randn(&[r, h]).set_requires_grad(true), randn(&[r, f]).set_requires_grad(true), randn(&[r, h]), randn(&[r, f]))
+    });
+    median_cold(reps, &sets, |(x, u, gh, gf)| {
         let a = x.layer_norm([h], Some(&w), Some(&b), 1e-5, false);
-        let y = &x + &a;
+        let y = x + &a;
         let c = y.layer_norm([h], Some(&w), Some(&b), 1e-5, false);
         let z = &y + &c;
         let g = u.gelu("none");
-        let loss = (&z * &gh).sum(Kind::Float) + (&g * &gf).sum(Kind::Float);
-        drop(Tensor::run_backward(&[loss], &[&x, &u], false, false));
+        let loss = (&z * gh).sum(Kind::Float) + (&g * gf).sum(Kind::Float);
+        drop(Tensor::run_backward(&[loss], &[x, u], false, false));
     })
 }
 
@@ -152,11 +192,13 @@ pub fn time_optimizer(reps: usize) -> f64 {
 /// Seconds of the loss over `rows` tokens and a vocabulary of `vocab`: log-softmax and the
 /// negative log-likelihood, forward and backward.
 pub fn time_loss(rows: usize, vocab: usize, reps: usize) -> f64 {
-    let logits = randn(&[rows as i64, vocab as i64]).set_requires_grad(true);
-    let target = Tensor::randint(vocab as i64, [rows as i64], (Kind::Int64, Device::Cpu));
-    median_seconds(reps, || {
-        let loss = logits.cross_entropy_for_logits(&target);
-        drop(Tensor::run_backward(&[loss], &[&logits], false, false));
+    let sets = cold_sets(4 * rows * vocab, || {
+        let logits = randn(&[rows as i64, vocab as i64]).set_requires_grad(true);
+        (logits, Tensor::randint(vocab as i64, [rows as i64], (Kind::Int64, Device::Cpu)))
+    });
+    median_cold(reps, &sets, |(logits, target)| {
+        let loss = logits.cross_entropy_for_logits(target);
+        drop(Tensor::run_backward(&[loss], &[logits], false, false));
     })
 }
 
