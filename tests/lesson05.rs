@@ -40,6 +40,7 @@ shardlab::graders! {
             let b = assign_buckets(&sizes, cap);
             let order: Vec<usize> = b.iter().flatten().copied().collect();
             assert_eq!(order, (0..sizes.len()).rev().collect::<Vec<_>>(), "cap {cap}: every index once, last first");
+            assert!(!b.iter().any(Vec::is_empty), "cap {cap}: an empty bucket (every bucket holds a parameter)");
             for bucket in &b {
                 let bytes: usize = bucket.iter().map(|&i| sizes[i]).sum();
                 assert!(bytes <= cap || bucket.len() == 1, "cap {cap}: bucket {bucket:?} has {bytes} bytes");
