@@ -40,6 +40,7 @@ pub fn ring_all_reduce(pg: &ProcessGroup, t: &mut Tensor) -> CommResult<()> {
 /// message, β seconds per byte: naive (everything to rank 0 and back) and ring. Returns
 /// `(naive_seconds, ring_seconds)`.
 pub fn all_reduce_cost(n: usize, bytes: f64, alpha: f64, beta: f64) -> (f64, f64) {
-    // TODO: return (naive seconds, ring seconds) from the cost-model table in the README.
+    // TODO: return (naive seconds, ring seconds) from the cost-model table in the README (hints:
+    // `cargo grade 03 --hint 4`).
     todo!()
 }

@@ -27,7 +27,8 @@ pub fn sync_initial_weights(pg: &ProcessGroup, params: &mut [Tensor], bucket_byt
 /// Exercise 3 — after backward, replace every parameter's gradient with the average of that
 /// gradient over all ranks (in place, so the optimizer sees it).
 pub fn average_gradients(pg: &ProcessGroup, params: &[Tensor]) -> CommResult<()> {
-    // TODO: leave every parameter's gradient holding its average over all ranks, in place.
+    // TODO: leave every parameter's gradient holding its average over all ranks, in place
+    // (hints: `cargo grade 04 --hint 3`).
     todo!()
 }
 
@@ -37,6 +38,6 @@ pub fn average_gradients(pg: &ProcessGroup, params: &[Tensor]) -> CommResult<()>
 pub fn ddp_step(pg: &ProcessGroup, model: &dyn Model, opt: &mut tch::nn::Optimizer, global: &Batch) -> CommResult<f64> {
     // TODO: train on this rank's rows of `global` only; the optimizer must see gradients averaged
     // over all ranks and take exactly one step, leaving no gradient behind for the next call;
-    // return this rank's loss on its rows.
+    // return this rank's loss on its rows (hints: `cargo grade 04 --hint 4`).
     todo!()
 }

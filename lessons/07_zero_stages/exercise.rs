@@ -29,7 +29,8 @@ pub fn adamw_shard_step(
     eps: f64,
 ) {
     // TODO: one AdamW step on p, m and v in place, exactly libtorch's (decoupled weight decay,
-    // bias correction): README, "Why AdamW on a shard is libtorch's AdamW".
+    // bias correction): README, "Why AdamW on a shard is libtorch's AdamW" (hints:
+    // `cargo grade 07 --hint 2`).
     todo!()
 }
 

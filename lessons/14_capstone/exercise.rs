@@ -10,14 +10,16 @@ use tch::{Kind, Tensor};
 /// Exercise 1 — nanoGPT's character vocabulary: every distinct character of `text`, once, sorted
 /// by code point (`sorted(set(text))`), so the same text gives the same ids whatever its order.
 pub fn char_vocabulary(text: &str) -> Vec<char> {
-    // TODO: the distinct characters of `text`, in code-point order (README, "Characters as tokens").
+    // TODO: the distinct characters of `text`, in code-point order (README, "Characters as
+    // tokens"; hints: `cargo grade 14 --hint 1`).
     todo!()
 }
 
 /// (Exercise 1, continued.) `text` as ids: each character's position in `vocab` (sorted, as
 /// [`char_vocabulary`] gives it). A character not in the vocabulary is an error that names it.
 pub fn encode(vocab: &[char], text: &str) -> Result<Vec<u16>, String> {
-    // TODO: one id per character; an unknown character is an Err naming it, never a silent id.
+    // TODO: one id per character; an unknown character is an Err naming it, never a silent id
+    // (hints: `cargo grade 14 --hint 1`).
     todo!()
 }
 
@@ -29,7 +31,7 @@ pub fn encode(vocab: &[char], text: &str) -> Result<Vec<u16>, String> {
 /// least 1); fewer than two documents is an error.
 pub fn first_val_document(lengths: &[usize]) -> Result<usize, String> {
     // TODO: find the document the 90 % point of the joined text falls in (README, "A split the
-    // model cannot cheat on").
+    // model cannot cheat on"; hints: `cargo grade 14 --hint 2`).
     todo!()
 }
 
@@ -40,7 +42,8 @@ pub fn first_val_document(lengths: &[usize]) -> Result<usize, String> {
 /// `temperature == 0`: all the probability on the largest logit (the first of equal ones, as
 /// `argmax`). Never NaN, however large the logits.
 pub fn next_token_distribution(logits: &[f64], temperature: f64, top_k: Option<usize>) -> Vec<f64> {
-    // TODO: the probabilities, one per logit, summing to 1 (README, "Temperature and top-k").
+    // TODO: the probabilities, one per logit, summing to 1 (README, "Temperature and top-k";
+    // hints: `cargo grade 14 --hint 3`).
     todo!()
 }
 
