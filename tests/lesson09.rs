@@ -126,8 +126,8 @@ shardlab::graders! {
                 assert_eq!(
                     output.requires_grad(),
                     !rec[s],
-                    "{policy}: stage {s}'s output {} a graph — {}",
-                    if output.requires_grad() { "carries" } else { "carries no" },
+                    "{policy}: stage {s}'s output {} — {}",
+                    if output.requires_grad() { "carries a graph" } else { "carries no graph" },
                     if rec[s] { "a recomputed stage runs under tch::no_grad and keeps only its input" } else { "a stage that is not recomputed keeps its graph" }
                 );
                 if s > 0 {

@@ -10,7 +10,9 @@
 //!
 //! * every dense GEMM shape the simulated step asks for ([`dense_gemm_shapes`]): the median time
 //!   of `matmul` on tensors of that shape, with cold caches as in a step (each timing cycles
-//!   through copies of its operands that span twice the last-level cache) — the table [`Gpu::gemm_table`] that takes the place of
+//!   through copies of its operands that span twice the last-level cache) and, on ranks that
+//!   share the machine, after a barrier, so that they time each kernel at once
+//!   ([`measure_kernels_with`]; every kernel below is timed the same way) — the table [`Gpu::gemm_table`] that takes the place of
 //!   the GPU's peak and its tile and wave quantization;
 //! * the attention: libtorch's fused `scaled_dot_product_attention` (what `Gpt::block` calls; on a
 //!   CPU a flash-attention kernel that never writes the s × s scores), forward and backward, kept
@@ -74,35 +76,44 @@ fn last_level_cache() -> usize {
 
 /// Cold caches: in a step, a kernel finds its operands pushed out of the caches by the kernels
 /// between, where a kernel timed again and again on the same tensors finds them cache-hot. Each
-/// timing cycles through enough copies of its operands (`make` builds one set of `bytes`) to
-/// span twice the last-level cache, at most 64.
+/// timing cycles through copies of its operands (`make` builds one set of `bytes`), as many as
+/// span twice the last-level cache, at most 64: a set is read again only after the others (or,
+/// where a timing reads fewer sets than there are, after the sets built after it) have pushed
+/// it out.
 fn cold_sets<T>(bytes: usize, make: impl Fn() -> T) -> Vec<T> {
     (0..(2 * last_level_cache()).div_ceil(bytes.max(1)).clamp(1, 64)).map(|_| make()).collect()
 }
 
-/// [`median_seconds`] of `f` on each of `sets` in turn.
-fn median_cold<T>(reps: usize, sets: &[T], mut f: impl FnMut(&T)) -> f64 {
-    let mut i = 0;
+/// Called by every timing once its operands are built, just before it starts the clock: with
+/// ranks that share the machine, a barrier, so that they time the same kernel at the same time
+/// (as a step runs them) and never one rank's timing against the other's building of operands.
+pub type Together<'a> = &'a dyn Fn();
+
+/// [`median_seconds`] of `f` on each of `sets` in turn, from `next` on (carried over between two
+/// timings of the same sets, so that the second does not start on the sets the first just read),
+/// after `sync`.
+fn median_cold<T>(reps: usize, sets: &[T], next: &mut usize, sync: Together, mut f: impl FnMut(&T)) -> f64 {
+    sync();
     median_seconds(reps, || {
-        f(&sets[i % sets.len()]);
-        i += 1;
+        f(&sets[*next % sets.len()]);
+        *next += 1;
     })
 }
 
 /// Seconds of one `(batch × m × k) · (batch × k × n)` product in fp32, operands cold.
-pub fn time_gemm(g: &Gemm, reps: usize) -> f64 {
+pub fn time_gemm(g: &Gemm, reps: usize, sync: Together) -> f64 {
     let (b, m, k, n) = (g.batch as i64, g.m as i64, g.k as i64, g.n as i64);
     let sets = cold_sets(4 * (b * (m * k + k * n)) as usize, || (randn(&[b, m, k]), randn(&[b, k, n])));
     if b == 1 {
-        median_cold(reps, &sets, |(x, w)| drop(x.squeeze_dim(0).matmul(&w.squeeze_dim(0))))
+        median_cold(reps, &sets, &mut 0, sync, |(x, w)| drop(x.squeeze_dim(0).matmul(&w.squeeze_dim(0))))
     } else {
-        median_cold(reps, &sets, |(x, w)| drop(x.bmm(w)))
+        median_cold(reps, &sets, &mut 0, sync, |(x, w)| drop(x.bmm(w)))
     }
 }
 
 /// Seconds of the fused causal attention's forward, and of its backward, for `batch` sequences of
 /// `heads` heads, `seq` tokens and head size `d`, operands cold.
-pub fn time_attention(batch: usize, heads: usize, seq: usize, d: usize, reps: usize) -> (f64, f64) {
+pub fn time_attention(batch: usize, heads: usize, seq: usize, d: usize, reps: usize, sync: Together) -> (f64, f64) {
     let shape = [batch as i64, heads as i64, seq as i64, d as i64];
     let sets = cold_sets(4 * 4 * batch * heads * seq * d, || {
         let qkv: Vec<Tensor> = (0..3).map(|_| randn(&shape).set_requires_grad(true)).collect();
@@ -111,11 +122,12 @@ pub fn time_attention(batch: usize, heads: usize, seq: usize, d: usize, reps: us
     let sdpa = |qkv: &[Tensor]| {
         Tensor::scaled_dot_product_attention::<Tensor>(&qkv[0], &qkv[1], &qkv[2], None, 0.0, true, None, false)
     };
-    let forward = median_cold(reps, &sets, |(qkv, _)| drop(tch::no_grad(|| sdpa(qkv))));
+    let mut next = 0;
+    let forward = median_cold(reps, &sets, &mut next, sync, |(qkv, _)| drop(tch::no_grad(|| sdpa(qkv))));
     // Forward and backward together, less the forward; the backward gets the output's gradient
     // through a product with a constant (one element-wise pass over the output, small beside the
     // attention's s² work).
-    let both = median_cold(reps, &sets, |(qkv, grad_out)| {
+    let both = median_cold(reps, &sets, &mut next, sync, |(qkv, grad_out)| {
         let y = sdpa(qkv);
         drop(Tensor::run_backward(&[(&y * grad_out).sum(Kind::Float)], qkv, false, false));
     });
@@ -124,13 +136,13 @@ pub fn time_attention(batch: usize, heads: usize, seq: usize, d: usize, reps: us
 
 /// Seconds of one block's element-wise kernels for `rows` tokens of width `h`, with an MLP of
 /// width `f` on this rank: two LayerNorms, the GeLU and two residual adds, forward and backward.
-pub fn time_elementwise(rows: usize, h: usize, f: usize, reps: usize) -> f64 {
+pub fn time_elementwise(rows: usize, h: usize, f: usize, reps: usize, sync: Together) -> f64 {
     let (r, h, f) = (rows as i64, h as i64, f as i64);
     let (w, b) = (Tensor::ones([h], (Kind::Float, Device::Cpu)), Tensor::zeros([h], (Kind::Float, Device::Cpu)));
     let sets = cold_sets(4 * 2 * (r * (h + f)) as usize, || {
         (randn(&[r, h]).set_requires_grad(true), randn(&[r, f]).set_requires_grad(true), randn(&[r, h]), randn(&[r, f]))
     });
-    median_cold(reps, &sets, |(x, u, gh, gf)| {
+    median_cold(reps, &sets, &mut 0, sync, |(x, u, gh, gf)| {
         let a = x.layer_norm([h], Some(&w), Some(&b), 1e-5, false);
         let y = x + &a;
         let c = y.layer_norm([h], Some(&w), Some(&b), 1e-5, false);
@@ -179,24 +191,25 @@ impl Kernels {
 }
 
 /// Seconds per parameter of one step of the course's AdamW on 4 Mi parameters.
-pub fn time_optimizer(reps: usize) -> f64 {
+pub fn time_optimizer(reps: usize, sync: Together) -> f64 {
     use crate::optim::{AdamW, AdamWConfig, Decay, Optimizer};
     let shape = [4096i64, 1024];
     let (p, g) = (randn(&shape), randn(&shape));
     let mut opt = AdamW::new(AdamWConfig::default());
     let decay = [Decay::for_shape(&shape)];
     let (params, grads) = ([p], [g]);
+    sync();
     median_seconds(reps, || opt.step(1e-4, &params, &grads, &decay).expect("one slot")) / (4096.0 * 1024.0)
 }
 
 /// Seconds of the loss over `rows` tokens and a vocabulary of `vocab`: log-softmax and the
 /// negative log-likelihood, forward and backward.
-pub fn time_loss(rows: usize, vocab: usize, reps: usize) -> f64 {
+pub fn time_loss(rows: usize, vocab: usize, reps: usize, sync: Together) -> f64 {
     let sets = cold_sets(4 * rows * vocab, || {
         let logits = randn(&[rows as i64, vocab as i64]).set_requires_grad(true);
         (logits, Tensor::randint(vocab as i64, [rows as i64], (Kind::Int64, Device::Cpu)))
     });
-    median_cold(reps, &sets, |(logits, target)| {
+    median_cold(reps, &sets, &mut 0, sync, |(logits, target)| {
         let loss = logits.cross_entropy_for_logits(target);
         drop(Tensor::run_backward(&[loss], &[logits], false, false));
     })
@@ -205,6 +218,13 @@ pub fn time_loss(rows: usize, vocab: usize, reps: usize) -> f64 {
 /// Time this machine's kernels for `model` under every one of `layouts` (fp32, on the calling
 /// thread's libtorch threads: one, as each rank runs).
 pub fn measure_kernels(model: &Model, layouts: &[Layout]) -> Result<Kernels, String> {
+    measure_kernels_with(model, layouts, &|| ())
+}
+
+/// [`measure_kernels`] on ranks that share this machine: `sync` (a barrier over them) before
+/// every timing, so that the ranks time each kernel together. Every rank must pass the same
+/// `model` and `layouts`.
+pub fn measure_kernels_with(model: &Model, layouts: &[Layout], sync: Together) -> Result<Kernels, String> {
     if layouts.iter().any(|l| l.precision != crate::precision::Precision::Fp32) {
         return Err("every layout must be fp32: this machine's profile is measured in fp32".into());
     }
@@ -214,12 +234,12 @@ pub fn measure_kernels(model: &Model, layouts: &[Layout]) -> Result<Kernels, Str
     for l in layouts {
         for g in dense_gemm_shapes(model, l) {
             if !gemms.iter().any(|t| t.gemm == g) {
-                gemms.push(Timed { gemm: g, seconds: time_gemm(&g, REPS) });
+                gemms.push(Timed { gemm: g, seconds: time_gemm(&g, REPS, sync) });
             }
         }
         let (batch, heads, d) = (l.micro_batch, model.heads / l.tp, model.hidden / model.heads);
         if !attention.iter().any(|a| (a.batch, a.seq, a.head_dim) == (batch * heads, model.seq, d)) {
-            let (forward, backward) = time_attention(batch, heads, model.seq, d, REPS);
+            let (forward, backward) = time_attention(batch, heads, model.seq, d, REPS, sync);
             attention.push(TimedAttention { batch: batch * heads, seq: model.seq, head_dim: d, forward, backward });
         }
         // The simulator charges a forward's element-wise bytes once forward and twice backward,
@@ -228,14 +248,14 @@ pub fn measure_kernels(model: &Model, layouts: &[Layout]) -> Result<Kernels, Str
         let rows = l.micro_batch * model.seq;
         let (ew, _) = model.elementwise_bytes(l.micro_batch as f64, l.tp as f64, false);
         bytes += 3.0 * 2.0 * ew * model.layers as f64 + 2.0 * 12.0 * (rows * model.vocab / l.tp) as f64;
-        seconds += model.layers as f64 * time_elementwise(rows, model.hidden, model.ffn / l.tp, REPS)
-            + time_loss(rows, model.vocab / l.tp, REPS);
+        seconds += model.layers as f64 * time_elementwise(rows, model.hidden, model.ffn / l.tp, REPS, sync)
+            + time_loss(rows, model.vocab / l.tp, REPS, sync);
     }
     Ok(Kernels {
         gemms,
         attention,
         elementwise_bytes_per_s: bytes / seconds,
-        optimizer_seconds_per_param: time_optimizer(5),
+        optimizer_seconds_per_param: time_optimizer(5, sync),
     })
 }
 

@@ -2,7 +2,9 @@
 //! with ZeRO, the parameters' gathers) adds to the step once the pipeline is done, by ZeRO stage.
 //!
 //! * ZeRO-0 (DDP): one all-reduce of the gradients after the last backward; with
-//!   `overlap_grad_reduce` only what outlasts the last micro-batch's backward shows;
+//!   `overlap_grad_reduce` only what outlasts the last micro-batch's backward shows (PyTorch's
+//!   last bucket, ready only when the backward ends, is always exposed: not counted, a bucket's
+//!   all-reduce being small beside a step of these sizes);
 //! * ZeRO-1: a reduce-scatter of the gradients once a step (overlapped the same way), then the
 //!   updated weights all-gathered after the optimizer, with nothing left to hide behind;
 //! * ZeRO-2: only 1/dp of the gradients is kept, so they are reduce-scattered after every

@@ -123,7 +123,7 @@ mod tests {
         let scores = Gemm { batch: 96, m: 2048, k: 128, n: 2048 };
         let bytes = 2.0 * 96.0 * (2.0 * 2048.0 * 128.0 + 2048.0 * 2048.0);
         assert!((scores.time(&a100, Precision::Bf16) - bytes / bw).abs() < 1e-12);
-        // A layer's MLP GEMM (2048 tokens, 12288 → 49152): about 3,400 FLOPs a byte, bound by compute.
+        // A layer's MLP GEMM (2048 tokens, 12288 → 49152): about 1,700 FLOPs a byte, bound by compute.
         let mlp = Gemm { batch: 1, m: 2048, k: 12288, n: 49152 };
         let compute = mlp.flops() / (a100.peak_flops(Precision::Bf16) * a100.gemm_efficiency * mlp.busy(a100.sms));
         assert_eq!(mlp.time(&a100, Precision::Bf16), compute);

@@ -96,10 +96,12 @@ pub const HBM_EFFICIENCY: f64 = 0.85;
 const NVLINK_ALPHA: f64 = 5e-6;
 const IB_ALPHA: f64 = 10e-6;
 
-/// NCCL's all-reduce bus bandwidth inside a DGX node is about 230 GB/s on A100 (of NVLink 3's 300
-/// per direction) and about 360 GB/s on H100 without NVLink SHARP (of 450): about 0.78 of the line
-/// rate — an assumption from the nccl-tests figures NVIDIA and cloud providers publish, to be
-/// checked against them (lesson 15). InfiniBand's large messages reach about 92% of line rate.
+/// NCCL's ring reaches about 80% of NVLink's line rate: "the app-level bandwidth is 80% of the
+/// peak" (NCCL's maintainer, NVIDIA/nccl#1054; its topology counts an A100 link at 20 of 25 GB/s)
+/// and about 370 of H100's 450 GB/s as ring busbw (NVIDIA/nccl-tests#212). 0.78 was chosen before
+/// those were found; `sim::validate::nccl_bus_bandwidth` checks it against them (−2.7%, −5.4%).
+/// NVLink SHARP, H100's default all-reduce inside a node (about 480 GB/s busbw), is not modelled.
+/// InfiniBand's large messages reach about 92% of line rate.
 const NVLINK_EFFICIENCY: f64 = 0.78;
 const IB_EFFICIENCY: f64 = 0.92;
 

@@ -89,7 +89,20 @@ pub fn this_machine(repeats: usize, json: bool) -> anyhow::Result<()> {
             t.push(bench::measure_with(pg, "shardlab", OpKind::AllReduce, Algo::Auto, b, timing)?.time_s);
         }
         pg.barrier()?;
-        let k = calibrate::measure_kernels(&model, &sim_layouts).map_err(anyhow::Error::msg)?;
+        // A barrier before every timing: both ranks time the same kernel at once. A failed
+        // barrier (the other rank gone) is kept and returned once the timings end.
+        let failed = std::cell::RefCell::new(None);
+        let sync = || {
+            if failed.borrow().is_none() {
+                if let Err(e) = pg.barrier() {
+                    *failed.borrow_mut() = Some(e);
+                }
+            }
+        };
+        let k = calibrate::measure_kernels_with(&model, &sim_layouts, &sync).map_err(anyhow::Error::msg)?;
+        if let Some(e) = failed.into_inner() {
+            return Err(e.into());
+        }
         Ok((t, k))
     })?;
     let points: Vec<(f64, f64)> = SIZES.iter().zip(&ranks[0].0).map(|(b, t)| (*b as f64, *t)).collect();
@@ -234,7 +247,15 @@ pub fn published(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
             })
             .collect();
         let t: Vec<_> = timings.iter().map(|(g, m, s)| json!({"gpus": g, "micro_batches": m, "seconds": s})).collect();
-        println!("{}", json!({"megatron_table_1": v, "simulator_seconds": t}));
+        let gpt3: Vec<_> = validate::predicted(gpu, validate::gpt3_175b_on_1024())
+            .map_err(anyhow::Error::msg)?
+            .iter()
+            .map(|(r, p, e)| {
+                json!({"pp": r.layout.pp, "interleave": r.layout.interleave, "published_tflops": r.tflops_per_gpu,
+                "predicted_tflops": p.megatron_tflops_per_gpu, "error": e})
+            })
+            .collect();
+        println!("{}", json!({"megatron_table_1": v, "gpt3_175b_on_1024": gpt3, "simulator_seconds": t}));
         return Ok(());
     }
     print!("{}", validate::report(gpu).map_err(anyhow::Error::msg)?);
