@@ -334,3 +334,83 @@ fn pipeline_recompute_runs_each_forward_twice_and_changes_no_bit() {
         assert_eq!((*f0, *f1), (8, 16), "rank {r}: stage forwards without and with recompute");
     }
 }
+
+/// The interleaved 1F1B schedule on real ranks (`pipeline::interleaved_step`): v chunks a rank,
+/// the loss and every gradient equal one process's on the whole batch (1e-5), on thread ranks;
+/// every chunk operation runs once, in the schedule's order.
+#[test]
+fn interleaved_pipeline_matches_one_process_local() {
+    use shardlab::pipeline::{interleaved, interleaved_step};
+    let cfg = GptConfig { vocab_size: 64, block_size: 16, n_layer: 6, n_head: 2, n_embd: 32 };
+    let (_, batch) = setup();
+    let gpt = Gpt::new(cfg, 9).unwrap();
+    let loss = gpt.loss(&batch);
+    loss.backward();
+    let want: Vec<Vec<f32>> =
+        gpt.parameters().iter().map(|p| Vec::<f32>::try_from(p.grad().reshape([-1])).unwrap()).collect();
+    let want_loss = loss.double_value(&[]);
+    // (p, v, m): 8 stages (embeddings, 6 blocks, head) over p·v virtual stages.
+    for (p, v, m) in [(2, 2, 4), (2, 4, 2), (4, 2, 8), (4, 2, 4), (2, 1, 4)] {
+        let out = spawn(p, Backend::Local, move |pg| {
+            let (_, batch) = setup();
+            let gpt = Gpt::new(cfg, 9)?;
+            let step = interleaved_step(pg, &gpt, v, &batch, m, cfg.n_embd)?;
+            let ops: Vec<_> = step.slots.iter().map(|s| s.op).collect();
+            let plan: Vec<_> =
+                interleaved(p, v, m, pg.rank()).map_err(anyhow::Error::msg)?.iter().map(|c| c.op).collect();
+            anyhow::ensure!(ops == plan, "slots out of the schedule's order");
+            let grads: Vec<(usize, Vec<f32>)> =
+                step.grads.iter().map(|(&k, g)| (k, Vec::<f32>::try_from(g.reshape([-1])).unwrap())).collect();
+            Ok((step.loss, grads))
+        })
+        .unwrap();
+        let mut seen = vec![false; want.len()];
+        for (r, (l, grads)) in out.into_iter().enumerate() {
+            let what = format!("p {p} v {v} m {m} rank {r}");
+            assert!((l - want_loss).abs() < 1e-5, "{what}: loss {l}, one process {want_loss}");
+            for (k, got) in grads {
+                seen[k] = true;
+                let worst = got.iter().zip(&want[k]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst < 1e-5, "{what}: the gradient of parameter {k} differs from one process by {worst}");
+            }
+        }
+        assert!(seen.iter().all(|&s| s), "p {p} v {v} m {m}: every parameter's gradient is on some rank");
+    }
+    // A micro-batch count the schedule cannot group, and more virtual stages than stages: refused on every rank.
+    for (p, v, m, expect) in [(2, 2, 3, "not a multiple of 2"), (4, 4, 4, "each rank needs at least one")] {
+        let errs = spawn(p, Backend::Local, move |pg| {
+            let (_, batch) = setup();
+            Ok(interleaved_step(pg, &Gpt::new(cfg, 9)?, v, &batch, m, cfg.n_embd)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default())
+        })
+        .unwrap();
+        assert!(errs.iter().all(|e| e.contains(expect)), "{errs:?}");
+    }
+}
+
+/// The interleaved schedule where a send blocks until it is read: 4 process ranks over TCP, 2
+/// chunks each, 4 MiB activations (above the sockets' buffers), the last rank sending each
+/// chunk's activations round to the first. The rendezvous plan orders every send against its
+/// receive; the loss equals one process's.
+#[test]
+fn interleaved_pipeline_with_blocking_sends_tcp() {
+    use shardlab::pipeline::interleaved_step;
+    const TEST: &str = "interleaved_pipeline_with_blocking_sends_tcp";
+    let cfg = GptConfig { vocab_size: 64, block_size: 64, n_layer: 6, n_head: 4, n_embd: 256 };
+    let rows = 256usize; // 4 micro-batches of 64 rows: (64, 64, 256) f32 = 4 MiB per activation
+    let batch = || DistributedSampler::new(64, rows, 0, 1, 5).unwrap().batch(&synthetic_corpus(20_000, 3), 0);
+    let opts = SpawnOptions::new(4, Backend::Tcp)
+        .config(CommConfig::default().with_timeout(std::time::Duration::from_secs(60)))
+        .child_args(vec!["--exact".into(), TEST.into(), "--nocapture".into(), "--test-threads=1".into()]);
+    let out = spawn_with(opts, move |pg| {
+        let gpt = Gpt::new(cfg, 9)?;
+        Ok(interleaved_step(pg, &gpt, 2, &batch(), 4, cfg.n_embd)?.loss)
+    })
+    .unwrap();
+    let want = Gpt::new(cfg, 9).unwrap().loss(&batch()).double_value(&[]);
+    for (r, l) in out.into_iter().enumerate() {
+        assert!((l - want).abs() < 1e-5, "rank {r}: loss {l}, one process {want}");
+    }
+}

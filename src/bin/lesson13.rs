@@ -123,7 +123,7 @@ fn main() -> anyhow::Result<()> {
             println!("  {m:>4} {formula:>10.4} {sim:>10.4} {span:>13} {:>22}", format!("{} / {}", held.0, held.1));
         }
     }
-    // 2b. Interleaved 1F1B (simulated only: the executor does not run it yet): v chunks per rank,
+    // 2b. Interleaved 1F1B (simulated here; `pipeline::interleaved_step` runs it on real ranks): v chunks per rank,
     // each 1/v of a stage's work.
     if !a.json {
         println!("\nInterleaved 1F1B at p = {P}, m = 8: v model chunks per rank (v = 1 is 1F1B):");

@@ -207,22 +207,7 @@ pub fn run_pipeline(
     let bad = |m: String| CommError::InvalidArgument(format!("rank {r}: pipeline: {m}"));
     let parts = partition(uses.len(), p).map_err(bad)?;
     check(p, micro_batches).map_err(bad)?;
-    let (rows, t) = batch.x.size2().map_err(|e| bad(format!("batch (B, T): {e}")))?;
-    if rows % micro_batches as i64 != 0 {
-        return Err(bad(format!("{micro_batches} micro-batches do not divide a batch of {rows} rows")));
-    }
-    let mb = rows / micro_batches as i64;
-    // The GPT's loss is the mean over targets other than −1: micro-batch i's mean weighs
-    // (its targets) / (the batch's), so that the step's loss is the batch's mean. Every rank
-    // has the batch: no communication.
-    let counts: Vec<f64> = (0..micro_batches as i64)
-        .map(|i| batch.y.narrow(0, i * mb, mb).ne(-1).sum(Kind::Int64).int64_value(&[]) as f64)
-        .collect();
-    if let Some(i) = counts.iter().position(|&c| c == 0.0) {
-        return Err(bad(format!("micro-batch {i} has no target (all −1): its mean loss is undefined")));
-    }
-    let total: f64 = counts.iter().sum();
-    let weight: Vec<f64> = counts.iter().map(|c| c / total).collect();
+    let (mb, t, weight) = micro_batch_weights(batch, micro_batches).map_err(bad)?;
     let last = r + 1 == p;
     // Which parameters each rank's stages use.
     let used_by = |q: usize| -> Vec<usize> {
@@ -324,11 +309,42 @@ pub fn run_pipeline(
         slots.push(Slot { stage: r, op, start, end });
     }
     let step_s = t0.elapsed().as_secs_f64();
-    // Tied parameters used on several ranks: the lowest user collects the others' gradients,
-    // sums them and sends the sum back (the GPT's embedding: ranks 0 and p − 1).
-    let n_params = uses.iter().flatten().map(|&k| k + 1).max().unwrap_or(0);
+    let used: Vec<Vec<usize>> = (0..p).map(used_by).collect();
+    sum_tied(pg, &mut grads, &used)?;
+    // The loss from the last rank to everyone.
+    let mut l = Tensor::from_slice(&[if last { losses } else { 0.0 }]);
+    pg.broadcast(&mut l, p - 1)?;
+    Ok(PipelineStep { loss: l.double_value(&[0]), grads, slots, peak_in_flight: peak, step_s })
+}
+
+/// A batch cut into `micro_batches` equal micro-batches: their rows, the tokens a row, and each
+/// one's weight in the batch's loss. The GPT's loss is the mean over targets other than −1:
+/// micro-batch i's mean weighs (its targets) / (the batch's), so that the step's loss is the
+/// batch's mean. Every rank has the batch: no communication.
+pub(super) fn micro_batch_weights(batch: &Batch, micro_batches: usize) -> Result<(i64, i64, Vec<f64>), String> {
+    let (rows, t) = batch.x.size2().map_err(|e| format!("batch (B, T): {e}"))?;
+    if rows % micro_batches as i64 != 0 {
+        return Err(format!("{micro_batches} micro-batches do not divide a batch of {rows} rows"));
+    }
+    let mb = rows / micro_batches as i64;
+    let counts: Vec<f64> = (0..micro_batches as i64)
+        .map(|i| batch.y.narrow(0, i * mb, mb).ne(-1).sum(Kind::Int64).int64_value(&[]) as f64)
+        .collect();
+    if let Some(i) = counts.iter().position(|&c| c == 0.0) {
+        return Err(format!("micro-batch {i} has no target (all −1): its mean loss is undefined"));
+    }
+    let total: f64 = counts.iter().sum();
+    Ok((mb, t, counts.iter().map(|c| c / total).collect()))
+}
+
+/// Tied parameters used on several ranks (`used[q]`: the parameters rank q's stages use): the
+/// lowest user collects the others' gradients, sums them and sends the sum back (the GPT's
+/// embedding: the first and the last rank).
+pub(super) fn sum_tied(pg: &ProcessGroup, grads: &mut BTreeMap<usize, Tensor>, used: &[Vec<usize>]) -> CommResult<()> {
+    let r = pg.rank();
+    let n_params = used.iter().flatten().map(|&k| k + 1).max().unwrap_or(0);
     for k in 0..n_params {
-        let users: Vec<usize> = (0..p).filter(|&q| used_by(q).contains(&k)).collect();
+        let users: Vec<usize> = (0..used.len()).filter(|&q| used[q].contains(&k)).collect();
         if users.len() < 2 || !users.contains(&r) {
             continue;
         }
@@ -347,8 +363,5 @@ pub fn run_pipeline(
             pg.recv(g, users[0])?;
         }
     }
-    // The loss from the last rank to everyone.
-    let mut l = Tensor::from_slice(&[if last { losses } else { 0.0 }]);
-    pg.broadcast(&mut l, p - 1)?;
-    Ok(PipelineStep { loss: l.double_value(&[0]), grads, slots, peak_in_flight: peak, step_s })
+    Ok(())
 }

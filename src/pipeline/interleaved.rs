@@ -1,6 +1,7 @@
 //! The interleaved 1F1B schedule (Narayanan et al. 2021, §2.2.2): each rank holds v model chunks,
-//! the bubble shrinks v-fold. Scheduled here and simulated by
-//! [`simulate_chunks`](super::simulate_chunks); the executor does not run it yet.
+//! the bubble shrinks v-fold. Scheduled here, simulated by
+//! [`simulate_chunks`](super::simulate_chunks), run on real ranks by
+//! [`interleaved_step`](super::interleaved_step).
 
 use super::{check, schedule, Op, Schedule};
 use serde::{Deserialize, Serialize};

@@ -19,8 +19,8 @@
 //!
 //! * **Interleaved 1F1B** (Narayanan et al. 2021, §2.2.2): each rank holds v model chunks
 //!   (virtual stages r, r + p, …), so a micro-batch crosses every rank v times; the bubble shrinks
-//!   v-fold for v times the messages and more activations in flight ([`interleaved`],
-//!   [`simulate_chunks`]; scheduled and simulated, not yet run by the executor).
+//!   v-fold for v times the messages and more activations in flight ([`interleaved`] the order,
+//!   [`simulate_chunks`] on paper, [`interleaved_step`] on real ranks).
 //!
 //! [`simulate`] runs a schedule on an idealised machine (a forward takes `t_f`, a backward `t_b`,
 //! sends are free) and gives each operation's start and end: the pipeline diagram, the **bubble**
@@ -29,15 +29,18 @@
 
 //!
 //! The files: `schedule.rs` (the schedules and the simulator), `interleaved.rs` (interleaved 1F1B), `executor.rs` (one pipelined
-//! forward and backward over real ranks: [`pipeline_step`]), `train.rs` (which parameters each
+//! forward and backward over real ranks: [`pipeline_step`]), `chunked.rs` (the same with v chunks
+//! a rank: [`interleaved_step`], sends ordered by a rendezvous plan), `train.rs` (which parameters each
 //! rank holds). A rank's optimizer step after it is the engine's (`crate::engine`:
 //! `PipelinePiece`).
 
+mod chunked;
 mod executor;
 mod interleaved;
 mod schedule;
 pub mod train;
 
+pub use chunked::{interleaved_step, rendezvous_plan, Action, Msg};
 pub use executor::{
     model_runner, partition, pipeline_step, pipeline_step_with, run_pipeline, PipelineStep, StageRunner,
 };
