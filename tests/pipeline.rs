@@ -393,7 +393,8 @@ fn interleaved_pipeline_matches_one_process_local() {
 /// The interleaved schedule where a send blocks until it is read: 4 process ranks over TCP, 2
 /// chunks each, 4 MiB activations (above the sockets' buffers), the last rank sending each
 /// chunk's activations round to the first. The rendezvous plan orders every send against its
-/// receive; the loss equals one process's.
+/// receive; the loss equals one process's, and so does every gradient (compared by its sum and
+/// the sum of its absolute values: a gradient received into the wrong buffer would move both).
 #[test]
 fn interleaved_pipeline_with_blocking_sends_tcp() {
     use shardlab::pipeline::interleaved_step;
@@ -401,16 +402,30 @@ fn interleaved_pipeline_with_blocking_sends_tcp() {
     let cfg = GptConfig { vocab_size: 64, block_size: 64, n_layer: 6, n_head: 4, n_embd: 256 };
     let rows = 256usize; // 4 micro-batches of 64 rows: (64, 64, 256) f32 = 4 MiB per activation
     let batch = || DistributedSampler::new(64, rows, 0, 1, 5).unwrap().batch(&synthetic_corpus(20_000, 3), 0);
+    let sums = |g: &Tensor| (g.sum(Kind::Double).double_value(&[]), g.abs().sum(Kind::Double).double_value(&[]));
     let opts = SpawnOptions::new(4, Backend::Tcp)
         .config(CommConfig::default().with_timeout(std::time::Duration::from_secs(60)))
         .child_args(vec!["--exact".into(), TEST.into(), "--nocapture".into(), "--test-threads=1".into()]);
     let out = spawn_with(opts, move |pg| {
         let gpt = Gpt::new(cfg, 9)?;
-        Ok(interleaved_step(pg, &gpt, 2, &batch(), 4, cfg.n_embd)?.loss)
+        let step = interleaved_step(pg, &gpt, 2, &batch(), 4, cfg.n_embd)?;
+        let grads: Vec<(usize, (f64, f64))> = step.grads.iter().map(|(&k, g)| (k, sums(g))).collect();
+        Ok((step.loss, grads))
     })
     .unwrap();
-    let want = Gpt::new(cfg, 9).unwrap().loss(&batch()).double_value(&[]);
-    for (r, l) in out.into_iter().enumerate() {
+    let gpt = Gpt::new(cfg, 9).unwrap();
+    let loss = gpt.loss(&batch());
+    loss.backward();
+    let want = loss.double_value(&[]);
+    let want_grads: Vec<(f64, f64)> = gpt.parameters().iter().map(|p| sums(&p.grad())).collect();
+    for (r, (l, grads)) in out.into_iter().enumerate() {
         assert!((l - want).abs() < 1e-5, "rank {r}: loss {l}, one process {want}");
+        for (k, (sum, abs)) in grads {
+            let (ws, wa) = want_grads[k];
+            assert!(
+                (sum - ws).abs() < 1e-4 * wa.max(1e-3) && (abs - wa).abs() < 1e-4 * wa.max(1e-3),
+                "rank {r}: parameter {k}'s gradient sums to {sum} (|·| {abs}), one process's {ws} ({wa})"
+            );
+        }
     }
 }

@@ -40,7 +40,8 @@ pub struct PipelineStep {
     /// the receive it waited for to before its send), in schedule order: the pipeline diagram,
     /// measured. `Slot::stage` is the pipeline rank.
     pub slots: Vec<Slot>,
-    /// The most micro-batches whose activations this rank held at once.
+    /// The most micro-batches whose activations this rank held at once (under
+    /// [`interleaved_step`](super::interleaved_step), chunk forwards whose backward had not run).
     pub peak_in_flight: usize,
     /// The step's duration on this rank (seconds).
     pub step_s: f64,
