@@ -13,14 +13,21 @@
 //! executor (one neighbour each way) no longer suffices. Megatron posts each step's sends and
 //! receives together (`batch_isend_irecv`). Here every rank works out the same **rendezvous
 //! plan** before the step ([`rendezvous_plan`]): the schedules of all ranks timed on an idealised
-//! machine, each message sent when its producer finishes it, which gives one global order of
+//! machine, each message sent at the receiver's first pause after it is made, which gives one global order of
 //! computations and matched send/receive pairs. Each rank runs its own part of that order; as
 //! every send meets its receive at the same point of the one order, no cycle of waiting ranks can
 //! form, whatever blocks.
 //!
+//! The price of sends that block on the compute thread: a sender waits for its receiver to reach
+//! the pair, so the step loses some of the schedule's overlap. Replayed on paper (the tests), the
+//! plan ends with the idealised schedule in many shapes but up to a quarter past it in others,
+//! some slower than plain 1F1B (p = 2, 5, 8 in particular). Megatron avoids it by posting
+//! non-blocking sends and receives together (`batch_isend_irecv`); a sender thread per peer would
+//! do it here.
+//!
 //! Memory: an activation waiting to be sent is the output the chunk keeps for its backward
-//! anyway (no copy); a gradient waiting is extra, at most one a chunk boundary at a time here,
-//! as the plan sends it when it is made.
+//! anyway (no copy); a gradient waiting is extra, a few at a time (the schedule bounds them, not
+//! m), and not counted in `peak_in_flight`.
 
 use super::executor::{micro_batch_weights, model_runner, partition, sum_tied, PipelineStep, StageRunner};
 use super::{interleaved, simulate_chunks, ChunkOp, Op, Slot};
@@ -69,10 +76,9 @@ fn makes(op: Op, k: usize, n: usize) -> Option<(Msg, usize)> {
 /// part of one global order. The order is time on an idealised machine
 /// ([`simulate_chunks`], a forward 1, a backward 2): each computation at its start, each message
 /// (a send paired with its receive) once its producer has finished it, at the receiver's first
-/// pause, before anything that starts then. So a send waits as little as the schedule allows and
-/// the schedule keeps its overlap (the tests replay plans with blocking sends: the idealised
-/// step's time in most shapes, within 8%); and since every send meets its receive at one point of
-/// one order, no cycle of waiting ranks can form, whether sends block or not. It rests on every rank
+/// pause, before anything that starts then, so that a send waits little (module docs: not never);
+/// and since every send meets its receive at one point of one order, no cycle of waiting ranks
+/// can form, whether sends block or not. It rests on every rank
 /// computing the same plan (it depends on `plans` and `chunks` only), on messages between two
 /// ranks arriving in the order they were sent, and on nothing else using the group during the
 /// step. A message between two chunks of one rank stays on the rank. Errors: a plan that does not
@@ -267,14 +273,20 @@ mod tests {
     use super::*;
 
     /// The plan executed on paper with sends that block until read (a pair completes when both
-    /// ranks reach it), a forward taking 1 and a backward 2: the step's end, or None on a deadlock.
-    fn replay(plan: &[Vec<Action>]) -> Option<f64> {
+    /// ranks reach it), a forward taking 1 and a backward 2: the step's end, or None on a
+    /// deadlock. A computation must come after the receive of what it needs.
+    fn replay(plan: &[Vec<Action>], chunks: usize) -> Option<f64> {
         let p = plan.len();
         let (mut at, mut clock) = (vec![0usize; p], vec![0.0f64; p]);
+        let mut got: Vec<std::collections::BTreeSet<Msg>> = vec![Default::default(); p];
         loop {
             let mut moved = false;
             for r in 0..p {
                 while let Some(Action::Compute(o)) = plan[r].get(at[r]) {
+                    if let Some(m) = needs(o.op, o.chunk * p + r, p * chunks) {
+                        let (Msg::Activation { stage, .. } | Msg::Gradient { stage, .. }) = m;
+                        assert!(stage % p == r || got[r].remove(&m), "rank {r}: {o:?} before {m:?} came");
+                    }
                     clock[r] += if matches!(o.op, Op::Forward(_)) { 1.0 } else { 2.0 };
                     at[r] += 1;
                     moved = true;
@@ -283,6 +295,7 @@ mod tests {
                     if plan[to].get(at[to]) == Some(&Action::Recv { msg, from: r }) {
                         let t = clock[r].max(clock[to]);
                         (clock[r], clock[to]) = (t, t);
+                        got[to].insert(msg);
                         at[r] += 1;
                         at[to] += 1;
                         moved = true;
@@ -296,6 +309,38 @@ mod tests {
                 return None;
             }
         }
+    }
+
+    /// Replayed with sends that block until read, every plan of p ≤ 8, v ≤ 4, m = p, 2p, 4p
+    /// finishes, each computation after the receive it needs, within a quarter of the idealised
+    /// schedule's step (sends free); the worst shape and how many end slower than plain 1F1B are
+    /// printed (`cargo test --lib chunked -- --nocapture`).
+    #[test]
+    fn the_plan_keeps_most_of_the_overlap_with_blocking_sends() {
+        let (mut worst, mut slower, mut shapes) = ((0.0f64, String::new()), 0, 0);
+        for p in 2..=8 {
+            for v in 1..=4 {
+                for m in [p, 2 * p, 4 * p] {
+                    let plans: Vec<Vec<ChunkOp>> = (0..p).map(|r| interleaved(p, v, m, r).unwrap()).collect();
+                    let plan = rendezvous_plan(&plans, v).unwrap();
+                    let end = replay(&plan, v).unwrap_or_else(|| panic!("p {p} v {v} m {m}: the plan deadlocks"));
+                    let ideal = simulate_chunks(&plans, v, 1.0, 2.0).unwrap().makespan();
+                    let one: Vec<Vec<ChunkOp>> = (0..p).map(|r| interleaved(p, 1, m, r).unwrap()).collect();
+                    let plain = simulate_chunks(&one, 1, v as f64, 2.0 * v as f64).unwrap().makespan();
+                    assert!(end <= 1.25 * ideal, "p {p} v {v} m {m}: replayed {end}, the schedule's {ideal}");
+                    if end / ideal > worst.0 {
+                        worst = (end / ideal, format!("p {p} v {v} m {m}: {end} against {ideal}"));
+                    }
+                    slower += usize::from(v > 1 && end > plain);
+                    shapes += 1;
+                }
+            }
+        }
+        println!(
+            "{shapes} shapes; worst {} ({:+.0}%); {slower} interleaved ones slower than plain 1F1B",
+            worst.1,
+            100.0 * (worst.0 - 1.0)
+        );
     }
 
     #[test]
@@ -329,16 +374,6 @@ mod tests {
                     assert_eq!(sent, got, "p {p} v {v} m {m}: rank {r} to rank {q}");
                 }
             }
-            // With sends that block until read it finishes, and keeps the schedule's overlap: within
-            // 8% of the idealised schedule's step (sends free; the same in 5 of these 7 shapes), and
-            // for v > 1 shorter than plain 1F1B's.
-            let end = replay(&plan).unwrap_or_else(|| panic!("p {p} v {v} m {m}: the plan deadlocks"));
-            let ideal = simulate_chunks(&plans, v, 1.0, 2.0).unwrap().makespan();
-            let one: Vec<Vec<ChunkOp>> = (0..p).map(|r| interleaved(p, 1, m, r).unwrap()).collect();
-            let plain = simulate_chunks(&one, 1, v as f64, 2.0 * v as f64).unwrap().makespan();
-            println!("p {p} v {v} m {m}: replayed {end}, ideal {ideal}, plain 1F1B {plain}");
-            assert!(end <= 1.08 * ideal, "p {p} v {v} m {m}: replayed {end}, the schedule's {ideal}");
-            assert!(v == 1 || p == 1 || end < plain, "p {p} v {v} m {m}: replayed {end}, plain 1F1B {plain}");
             // Messages: a micro-batch crosses n − 1 boundaries each way; those inside a rank stay.
             let n = p * v;
             let crossing = (0..n - 1).filter(|k| k % p != (k + 1) % p).count();
