@@ -12,7 +12,7 @@
 //!
 //! `--json` prints one JSON object per line; `scaling --svg FILE` draws the curve. The simulator
 //! checked against `train` on this machine is `cargo run --release --bin plan -- --validate --gpu
-//! this-machine` (2.5 minutes here). Every part calls the library.
+//! this-machine` (about 2 minutes here). Every part calls the library.
 
 use clap::{Parser, Subcommand};
 use serde_json::json;

@@ -1,5 +1,6 @@
 //! The published runs the simulator is checked against (lesson 15), with where each figure comes
-//! from. Nothing in the simulator is fitted to them.
+//! from. No constant of the simulator is fitted to them; one modelling choice, the GEMMs'
+//! roofline (`sim::gemm`), was made after Table 1 had been compared (lesson 15 says how).
 
 use super::model::Model;
 use super::step::Layout;

@@ -255,7 +255,17 @@ pub fn published(gpu: &Gpu, json: bool) -> anyhow::Result<()> {
                 "predicted_tflops": p.megatron_tflops_per_gpu, "error": e})
             })
             .collect();
-        println!("{}", json!({"megatron_table_1": v, "gpt3_175b_on_1024": gpt3, "simulator_seconds": t}));
+        let mut nccl = Vec::new();
+        for b in validate::nccl_bus_bandwidth() {
+            let g = shardlab::sim::profile(b.gpu).map_err(anyhow::Error::msg)?;
+            let p = validate::simulated_bus_bandwidth(&g, 4.0 * (1u64 << 30) as f64);
+            nccl.push(json!({"gpu": b.gpu, "ring": b.ring, "published_gb_s": b.bus_gb_s, "predicted_gb_s": p,
+                             "error": p / b.bus_gb_s - 1.0, "source": b.source}));
+        }
+        println!(
+            "{}",
+            json!({"megatron_table_1": v, "gpt3_175b_on_1024": gpt3, "nccl_bus_bandwidth": nccl, "simulator_seconds": t})
+        );
         return Ok(());
     }
     print!("{}", validate::report(gpu).map_err(anyhow::Error::msg)?);
