@@ -143,6 +143,18 @@ fn dp_times_pp_on_a_2x2_mesh_matches_one_process() {
     }
 }
 
+/// The blocking-send tests' batch: 256 rows of 64 tokens, cut by both tests into 4 micro-batches
+/// of 64 rows — (64, 64, 256) f32 = 4 MiB per activation, above the sockets' buffers — and their
+/// 4 process ranks over TCP, each running only `test`.
+fn big_batch() -> Batch {
+    DistributedSampler::new(64, 256, 0, 1, 5).unwrap().batch(&synthetic_corpus(20_000, 3), 0)
+}
+fn four_tcp_ranks(test: &str) -> SpawnOptions {
+    SpawnOptions::new(4, Backend::Tcp)
+        .config(CommConfig::default().with_timeout(std::time::Duration::from_secs(60)))
+        .child_args(vec!["--exact".into(), test.into(), "--nocapture".into(), "--test-threads=1".into()])
+}
+
 /// Activations larger than a socket's or a shared-memory ring's buffer (4 MiB per send), so a send
 /// blocks until its receiver reads: in 1F1B's steady state two neighbours would both send first
 /// and wait forever. The executor holds an activation back until it has received the gradient its
@@ -151,11 +163,8 @@ fn dp_times_pp_on_a_2x2_mesh_matches_one_process() {
 fn pipeline_1f1b_with_blocking_sends_tcp() {
     const TEST: &str = "pipeline_1f1b_with_blocking_sends_tcp";
     let cfg = GptConfig { vocab_size: 64, block_size: 64, n_layer: 2, n_head: 4, n_embd: 256 };
-    let rows = 256usize; // 4 micro-batches of 64 rows: (64, 64, 256) f32 = 4 MiB per activation
-    let batch = || DistributedSampler::new(64, rows, 0, 1, 5).unwrap().batch(&synthetic_corpus(20_000, 3), 0);
-    let opts = SpawnOptions::new(4, Backend::Tcp)
-        .config(CommConfig::default().with_timeout(std::time::Duration::from_secs(60)))
-        .child_args(vec!["--exact".into(), TEST.into(), "--nocapture".into(), "--test-threads=1".into()]);
+    let batch = big_batch;
+    let opts = four_tcp_ranks(TEST);
     let out = spawn_with(opts, move |pg| {
         let gpt = Gpt::new(cfg, 9)?;
         Ok(pipeline_step(pg, &gpt, Schedule::OneFOneB, &batch(), 4, cfg.n_embd)?.loss)
@@ -400,12 +409,9 @@ fn interleaved_pipeline_with_blocking_sends_tcp() {
     use shardlab::pipeline::interleaved_step;
     const TEST: &str = "interleaved_pipeline_with_blocking_sends_tcp";
     let cfg = GptConfig { vocab_size: 64, block_size: 64, n_layer: 6, n_head: 4, n_embd: 256 };
-    let rows = 256usize; // 4 micro-batches of 64 rows: (64, 64, 256) f32 = 4 MiB per activation
-    let batch = || DistributedSampler::new(64, rows, 0, 1, 5).unwrap().batch(&synthetic_corpus(20_000, 3), 0);
+    let batch = big_batch;
     let sums = |g: &Tensor| (g.sum(Kind::Double).double_value(&[]), g.abs().sum(Kind::Double).double_value(&[]));
-    let opts = SpawnOptions::new(4, Backend::Tcp)
-        .config(CommConfig::default().with_timeout(std::time::Duration::from_secs(60)))
-        .child_args(vec!["--exact".into(), TEST.into(), "--nocapture".into(), "--test-threads=1".into()]);
+    let opts = four_tcp_ranks(TEST);
     let out = spawn_with(opts, move |pg| {
         let gpt = Gpt::new(cfg, 9)?;
         let step = interleaved_step(pg, &gpt, 2, &batch(), 4, cfg.n_embd)?;
