@@ -50,25 +50,28 @@ pub fn plan_reads(saved: &[Range<i64>], want: Range<i64>) -> Result<Vec<Read>, S
 /// — and any `step-NNNNNNNN` folder holding `metadata.json` must be complete; once this returns
 /// `Ok`, the new checkpoint and `latest` survive a power loss. What an earlier crash left must
 /// not stop it: a `step-NNNNNNNN.tmp` folder, or a `step-NNNNNNNN` folder of this step that
-/// `latest` does not name. Make `metadata.json` durable last, after every other file: in any
-/// folder, `.tmp` or not, its presence means "complete". Return the disk's error when an
-/// operation fails.
+/// `latest` does not name. In the `.tmp` folder too, a whole `metadata.json` means "complete":
+/// it may survive a power loss only once every other file is durable, bytes and name. Return
+/// the disk's error when an operation fails.
 pub fn commit_checkpoint(disk: &mut SimDisk, step: u64, files: &[(&str, &[u8])]) -> Result<(), SimError> {
     let name = format!("step-{step:08}");
     let tmp = format!("{name}.tmp");
     // A crashed attempt's leftovers: not a checkpoint, never read; start again.
     disk.remove_all(&tmp)?;
     disk.create_dir(&tmp)?;
-    // Every file's bytes durable (metadata.json last: its presence means "complete").
-    let mut order: Vec<&(&str, &[u8])> = files.iter().filter(|(f, _)| *f != "metadata.json").collect();
-    order.extend(files.iter().filter(|(f, _)| *f == "metadata.json"));
-    for (f, bytes) in order {
-        let path = format!("{tmp}/{f}");
-        disk.write(&path, bytes)?;
-        disk.sync(&path)?;
+    // Every other file durable, bytes and names, before metadata.json exists: a file's sync does
+    // not make its name durable, and a folder's names reach the disk in any order until it is
+    // synced. Then metadata.json, bytes and name.
+    let (meta, rest): (Vec<_>, Vec<_>) = files.iter().partition(|(f, _)| *f == "metadata.json");
+    for batch in [rest, meta] {
+        for (f, bytes) in batch {
+            let path = format!("{tmp}/{f}");
+            disk.write(&path, bytes)?;
+            disk.sync(&path)?;
+        }
+        disk.sync(&tmp)?;
     }
-    // The folder's entries durable, then the one atomic step: the rename, made durable in the root.
-    disk.sync(&tmp)?;
+    // The one atomic step: the rename, made durable in the root before `latest` can name it.
     // An earlier attempt at this step may have got as far as the rename (`latest` does not name it
     // yet, so nothing reads it): a folder cannot be renamed over a non-empty one.
     disk.remove_all(&name)?;

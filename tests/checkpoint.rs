@@ -3,7 +3,7 @@
 //! stopped; a save that fails on one rank leaves the previous checkpoint intact; damaged
 //! checkpoints are refused with errors that name the file.
 
-use shardlab::checkpoint::{self, SaveOptions};
+use shardlab::checkpoint::{self, sim, SaveOptions};
 use shardlab::data::{synthetic_corpus, DistributedSampler, Tokens};
 use shardlab::ddp::{self, DataParallel};
 use shardlab::engine::{parallelize, DataDim, Engine, ParallelDims, Plan};
@@ -839,4 +839,89 @@ fn a_failed_job_releases_its_folder() {
     let free = std::process::Command::new("flock").arg("-n").arg(dir.join(".lock")).arg("true").status().unwrap();
     assert!(free.success(), "the failed job's folder is free for another process");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// The simulated disk of lesson 10 (`checkpoint::sim`): what survives a power loss.
+
+#[test]
+fn only_synced_bytes_and_entries_survive() {
+    let mut d = sim::SimDisk::new();
+    d.create_dir("c").unwrap();
+    d.write("c/f", b"abcdefgh").unwrap();
+    d.sync("c/f").unwrap();
+    d.sync("c").unwrap();
+    d.sync("").unwrap();
+    d.write("c/f", b"ABCDEFGH").unwrap(); // overwritten in place, not synced
+    d.write("c/g", b"new").unwrap(); // created, directory not synced
+    d.power_loss();
+    d.reboot();
+    assert_eq!(d.read("c/f").unwrap(), b"ABCD", "an unsynced overwrite comes back torn");
+    assert!(!d.exists("c/g"), "an entry the directory never synced is lost");
+    // A rename is durable only once its directory is synced.
+    d.write("c/h", b"x").unwrap();
+    d.sync("c/h").unwrap();
+    d.sync("c").unwrap();
+    d.rename("c/h", "c/i").unwrap();
+    d.power_loss();
+    d.reboot();
+    assert!(d.exists("c/h") && !d.exists("c/i"));
+    // A crash at operation k: that operation does not happen, and nothing works until reboot.
+    let k = d.ops();
+    d.crash_at(k + 1);
+    d.write("c/j", b"1").unwrap();
+    assert_eq!(d.sync("c"), Err(sim::SimError::PowerLoss));
+    assert_eq!(d.write("c/k", b"1"), Err(sim::SimError::PowerLoss));
+    d.reboot();
+    assert!(!d.exists("c/j"));
+    assert_eq!(d.create_dir("c"), Err(sim::SimError::Exists("c".into())));
+    assert_eq!(d.write("nope/x", b""), Err(sim::SimError::NotFound("nope".into())));
+}
+
+/// Two renames in one folder, no sync between: a loss may keep either, both or neither.
+#[test]
+fn unsynced_changes_are_kept_in_any_subset() {
+    let setup = || {
+        let mut d = sim::SimDisk::new();
+        for f in ["x.tmp", "y.tmp"] {
+            d.write(f, f.as_bytes()).unwrap();
+            d.sync(f).unwrap();
+        }
+        d.sync("").unwrap();
+        d.rename("x.tmp", "x").unwrap();
+        d.rename("y.tmp", "y").unwrap();
+        d
+    };
+    let names = |d: &sim::SimDisk| d.list("");
+    assert_eq!(setup().unsynced(), vec![vec!["x".to_string(), "x.tmp".into()], vec!["y".into(), "y.tmp".into()]]);
+    let mut seen = Vec::new();
+    for mask in 0..4 {
+        let mut d = setup();
+        d.keep_on_power_loss(mask);
+        d.power_loss();
+        d.reboot();
+        seen.push(names(&d));
+        assert_eq!(d.last_loss().iter().filter(|(_, kept)| *kept).count(), mask.count_ones() as usize);
+        assert!(d.unsynced().is_empty(), "after a loss everything left is durable");
+    }
+    assert_eq!(seen, [["x.tmp", "y.tmp"], ["x", "y.tmp"], ["x.tmp", "y"], ["x", "y"]]);
+    // A rename is atomic even when chained: a → b → c is one change of a and c.
+    let mut d = sim::SimDisk::new();
+    d.write("a", b"1").unwrap();
+    d.sync("a").unwrap();
+    d.sync("").unwrap();
+    d.rename("a", "b").unwrap();
+    d.rename("b", "c").unwrap();
+    d.write("n", b"2").unwrap();
+    assert_eq!(d.unsynced(), vec![vec!["a".to_string(), "c".into()], vec!["n".into()]]);
+    d.keep_on_power_loss(0b01);
+    d.power_loss();
+    d.reboot();
+    assert_eq!(names(&d), ["c"]);
+    // A synced folder has nothing pending; a subfolder's changes show with its path.
+    d.create_dir("f").unwrap();
+    d.sync("").unwrap();
+    d.write("f/g", b"3").unwrap();
+    assert_eq!(d.unsynced(), vec![vec!["f/g".to_string()]]);
+    d.sync("f").unwrap();
+    assert!(d.unsynced().is_empty());
 }

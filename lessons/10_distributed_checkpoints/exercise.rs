@@ -26,9 +26,9 @@ pub fn plan_reads(saved: &[Range<i64>], want: Range<i64>) -> Result<Vec<Read>, S
 /// — and any `step-NNNNNNNN` folder holding `metadata.json` must be complete; once this returns
 /// `Ok`, the new checkpoint and `latest` survive a power loss. What an earlier crash left must
 /// not stop it: a `step-NNNNNNNN.tmp` folder, or a `step-NNNNNNNN` folder of this step that
-/// `latest` does not name. Make `metadata.json` durable last, after every other file: in any
-/// folder, `.tmp` or not, its presence means "complete". Return the disk's error when an
-/// operation fails.
+/// `latest` does not name. In the `.tmp` folder too, a whole `metadata.json` means "complete":
+/// it may survive a power loss only once every other file is durable, bytes and name. Return
+/// the disk's error when an operation fails.
 pub fn commit_checkpoint(disk: &mut SimDisk, step: u64, files: &[(&str, &[u8])]) -> Result<(), SimError> {
     // TODO: write checkpoint `step` and point `latest` at it; a power loss at any operation must
     // leave `latest` naming a complete checkpoint (README, "The atomic commit"; hints:

@@ -178,6 +178,9 @@ pub fn save<H: Holder + ?Sized>(
             plan::plan_region_reads(&saved, &all)
                 .map_err(|e| anyhow::anyhow!("{t}: the ranks' pieces do not tile it: {e}"))?;
         }
+        // The ranks' files are synced, but their names are durable only with the folder's sync, and
+        // POSIX may persist metadata.json's name first: sync the folder before it exists, and after.
+        fsync_dir(&tmp)?;
         write_synced(&tmp.join(METADATA), &serde_json::to_vec_pretty(&meta)?)?;
         fsync_dir(&tmp)?;
         // The commit point: the rename into the step-N namespace. A committed copy of this step (a

@@ -4,9 +4,13 @@
 //! What survives a power loss, the pessimistic way real disks are allowed to behave:
 //! - a file's bytes survive only once the file was `sync`ed (fsync) after its last write; a file
 //!   written but not synced comes back **torn** — the first half of what was written;
-//! - a directory's entries (files created, renamed or removed in it) survive only once the
-//!   directory itself was `sync`ed; an entry added since comes back missing, one removed comes
-//!   back, a rename since is undone.
+//! - a directory's entries (files created, renamed or removed in it) are durable only once the
+//!   directory itself was `sync`ed. A name changed since may come back as it was at that sync or
+//!   as it is now, each name independently of the others (POSIX does not order them): by
+//!   default every such change is lost (an entry added comes back missing, one removed comes
+//!   back, a rename is undone); [`SimDisk::keep_on_power_loss`] keeps any subset of them, so
+//!   that a test can try every order in which they might have reached the disk. The two names
+//!   of one rename go together (a rename is atomic).
 //!
 //! Paths are relative to the disk's root and use `/`: `"latest"`, `"step-00000002.tmp/a.bin"`.
 //! Operations count from 0; [`SimDisk::crash_at`]`(k)` makes operation `k` fail instead of
@@ -17,8 +21,15 @@
 //! d.write("a", b"hello")    // in the page cache; the root's entry for "a" is not durable either
 //! d.power_loss()            // "a" is gone: never synced, never linked durably
 //! ```
+//!
+//! Two renames in one folder with no sync of it between them may reach the disk in either order:
+//! ```text
+//! d.rename("x.tmp", "x"); d.rename("y.tmp", "y")
+//! d.unsynced()              // [["x", "x.tmp"], ["y", "y.tmp"]]: two changes, pending
+//! d.keep_on_power_loss(0b10); d.power_loss()   // "y" was renamed, "x" was not
+//! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 /// Why a [`SimDisk`] operation failed.
@@ -62,6 +73,12 @@ pub struct SimDisk {
     crash_at: Option<usize>,
     down: bool,
     log: Vec<String>,
+    /// The (directory inode, name) pairs each rename since the disk was made tied together.
+    renames: Vec<[(usize, String); 2]>,
+    /// Bit i keeps group i of [`SimDisk::unsynced`] at the next power loss.
+    keep: u64,
+    /// What the last power loss chose between: each group's paths, and whether it was kept.
+    last_loss: Vec<(Vec<String>, bool)>,
 }
 
 impl Default for SimDisk {
@@ -74,6 +91,15 @@ fn split(path: &str) -> (&str, &str) {
     path.rsplit_once('/').unwrap_or(("", path))
 }
 
+/// `name`'s path in directory inode `dir` (an unlinked directory shows as `<dir #ino>`).
+fn join(paths: &BTreeMap<usize, String>, dir: usize, name: &str) -> String {
+    match paths.get(&dir).map(String::as_str) {
+        Some("") => name.to_string(),
+        Some(p) => format!("{p}/{name}"),
+        None => format!("<dir #{dir}>/{name}"),
+    }
+}
+
 impl SimDisk {
     /// An empty disk: only the root directory.
     pub fn new() -> Self {
@@ -83,6 +109,9 @@ impl SimDisk {
             crash_at: None,
             down: false,
             log: Vec::new(),
+            renames: Vec::new(),
+            keep: 0,
+            last_loss: Vec::new(),
         }
     }
 
@@ -107,8 +136,99 @@ impl SimDisk {
         self.down
     }
 
-    /// Lose the power now: only what was made durable survives (module docs).
+    /// Which of the directory changes not yet made durable the next power loss keeps: bit `i`
+    /// keeps group `i` of [`SimDisk::unsynced`] as it is at that moment (0, the default, keeps
+    /// none). Bits past the last group are ignored.
+    pub fn keep_on_power_loss(&mut self, mask: u64) {
+        self.keep = mask;
+    }
+
+    /// The directory changes a power loss now may keep or lose: the names whose entry differs
+    /// from their folder's last sync, as paths, grouped so that a rename's two names go together,
+    /// in a fixed order (a group's index is its bit in [`SimDisk::keep_on_power_loss`]). Free.
+    pub fn unsynced(&self) -> Vec<Vec<String>> {
+        let paths = self.paths();
+        self.groups().into_iter().map(|g| g.iter().map(|(d, n)| join(&paths, *d, n)).collect()).collect()
+    }
+
+    /// The groups the last power loss chose between (see [`SimDisk::unsynced`]), each with
+    /// whether it was kept: for a test's message.
+    pub fn last_loss(&self) -> &[(Vec<String>, bool)] {
+        &self.last_loss
+    }
+
+    /// Changed (directory, name) pairs, grouped by the renames that tie them.
+    fn groups(&self) -> Vec<Vec<(usize, String)>> {
+        let mut changed = BTreeSet::new();
+        for (d, n) in self.nodes.iter().enumerate() {
+            if let Node::Dir { entries, durable } = n {
+                for name in entries.keys().chain(durable.keys()) {
+                    if entries.get(name) != durable.get(name) {
+                        changed.insert((d, name.clone()));
+                    }
+                }
+            }
+        }
+        // Union-find over every name a rename touched, so that a → b → c ties a to c.
+        let mut up: BTreeMap<(usize, String), (usize, String)> = BTreeMap::new();
+        fn root(up: &BTreeMap<(usize, String), (usize, String)>, mut k: (usize, String)) -> (usize, String) {
+            while let Some(p) = up.get(&k) {
+                k = p.clone();
+            }
+            k
+        }
+        for [a, b] in &self.renames {
+            let (ra, rb) = (root(&up, a.clone()), root(&up, b.clone()));
+            if ra != rb {
+                up.insert(ra, rb);
+            }
+        }
+        let mut groups: BTreeMap<(usize, String), Vec<(usize, String)>> = BTreeMap::new();
+        let mut order = Vec::new();
+        for k in changed {
+            let r = root(&up, k.clone());
+            if !groups.contains_key(&r) {
+                order.push(r.clone());
+            }
+            groups.entry(r).or_default().push(k);
+        }
+        order.into_iter().map(|r| groups.remove(&r).unwrap_or_default()).collect()
+    }
+
+    /// Every linked directory's path, by inode (the root is `""`).
+    fn paths(&self) -> BTreeMap<usize, String> {
+        let mut paths = BTreeMap::from([(0, String::new())]);
+        let mut todo = vec![0];
+        while let Some(d) = todo.pop() {
+            if let Node::Dir { entries, .. } = &self.nodes[d] {
+                for (name, &ino) in entries {
+                    if matches!(self.nodes[ino], Node::Dir { .. }) && !paths.contains_key(&ino) {
+                        paths.insert(ino, join(&paths, d, name));
+                        todo.push(ino);
+                    }
+                }
+            }
+        }
+        paths
+    }
+
+    /// Lose the power now: only what was made durable survives, plus the directory changes that
+    /// [`SimDisk::keep_on_power_loss`] keeps (module docs).
     pub fn power_loss(&mut self) {
+        let paths = self.paths();
+        self.last_loss.clear();
+        for (i, group) in self.groups().into_iter().enumerate() {
+            let kept = i < 64 && self.keep >> i & 1 == 1;
+            self.last_loss.push((group.iter().map(|(d, n)| join(&paths, *d, n)).collect(), kept));
+            for (d, name) in group.into_iter().filter(|_| kept) {
+                if let Node::Dir { entries, durable } = &mut self.nodes[d] {
+                    match entries.get(&name) {
+                        Some(&ino) => durable.insert(name, ino),
+                        None => durable.remove(&name),
+                    };
+                }
+            }
+        }
         for n in &mut self.nodes {
             match n {
                 Node::File { data, durable } => {
@@ -122,6 +242,9 @@ impl SimDisk {
                 Node::Dir { entries, durable } => *entries = durable.clone(),
             }
         }
+        // Every entry is now durable: no rename ties pending names, and the next loss keeps none.
+        self.renames.clear();
+        self.keep = 0;
         self.down = true;
         self.log.push(format!("{} POWER LOSS", self.ops));
     }
@@ -230,22 +353,16 @@ impl SimDisk {
             return Err(SimError::NotFound(format!("{to} (inside {from}, which is being moved)")));
         }
         if let Some(&old) = self.entries(td).get(tname) {
-            let replaceable = match (&self.nodes[ino], &self.nodes[old]) {
-                (Node::File { .. }, Node::File { .. }) => true,
-                (Node::Dir { .. }, Node::Dir { entries, .. }) => entries.is_empty(),
-                _ => false,
-            };
-            if !replaceable {
-                return Err(match (&self.nodes[ino], &self.nodes[old]) {
-                    (Node::File { .. }, Node::Dir { .. }) | (Node::Dir { .. }, Node::File { .. }) => {
-                        SimError::NotADirectory(to.into())
-                    }
-                    _ => SimError::Exists(to.into()),
-                });
+            match (&self.nodes[ino], &self.nodes[old]) {
+                (Node::File { .. }, Node::File { .. }) => {}
+                (Node::Dir { .. }, Node::Dir { entries, .. }) if entries.is_empty() => {}
+                (Node::Dir { .. }, Node::Dir { .. }) => return Err(SimError::Exists(to.into())),
+                _ => return Err(SimError::NotADirectory(to.into())),
             }
         }
         self.entries(fd).remove(fname);
         self.entries(td).insert(tname.into(), ino);
+        self.renames.push([(fd, fname.to_string()), (td, tname.to_string())]);
         Ok(())
     }
 
@@ -282,44 +399,5 @@ impl SimDisk {
             Some(Node::Dir { entries, .. }) => entries.keys().cloned().collect(),
             _ => Vec::new(),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_synced_bytes_and_entries_survive() {
-        let mut d = SimDisk::new();
-        d.create_dir("c").unwrap();
-        d.write("c/f", b"abcdefgh").unwrap();
-        d.sync("c/f").unwrap();
-        d.sync("c").unwrap();
-        d.sync("").unwrap();
-        d.write("c/f", b"ABCDEFGH").unwrap(); // overwritten in place, not synced
-        d.write("c/g", b"new").unwrap(); // created, directory not synced
-        d.power_loss();
-        d.reboot();
-        assert_eq!(d.read("c/f").unwrap(), b"ABCD", "an unsynced overwrite comes back torn");
-        assert!(!d.exists("c/g"), "an entry the directory never synced is lost");
-        // A rename is durable only once its directory is synced.
-        d.write("c/h", b"x").unwrap();
-        d.sync("c/h").unwrap();
-        d.sync("c").unwrap();
-        d.rename("c/h", "c/i").unwrap();
-        d.power_loss();
-        d.reboot();
-        assert!(d.exists("c/h") && !d.exists("c/i"));
-        // A crash at operation k: that operation does not happen, and nothing works until reboot.
-        let k = d.ops();
-        d.crash_at(k + 1);
-        d.write("c/j", b"1").unwrap();
-        assert_eq!(d.sync("c"), Err(SimError::PowerLoss));
-        assert_eq!(d.write("c/k", b"1"), Err(SimError::PowerLoss));
-        d.reboot();
-        assert!(!d.exists("c/j"));
-        assert_eq!(d.create_dir("c"), Err(SimError::Exists("c".into())));
-        assert_eq!(d.write("nope/x", b""), Err(SimError::NotFound("nope".into())));
     }
 }
