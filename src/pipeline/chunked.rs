@@ -29,7 +29,7 @@
 //! anyway (no copy); a gradient waiting is extra, a few at a time (the schedule bounds them, not
 //! m), and not counted in `peak_in_flight`.
 
-use super::executor::{micro_batch_weights, model_runner, partition, sum_tied, PipelineStep, StageRunner};
+use super::executor::{accumulate, micro_batch_weights, model_runner, partition, sum_tied, PipelineStep, StageRunner};
 use super::{interleaved, simulate_chunks, ChunkOp, Op, Slot};
 use crate::comm::{CommError, CommResult, ProcessGroup};
 use crate::model::{Batch, Model};
@@ -240,12 +240,7 @@ pub fn interleaved_step(
                     Op::Backward(_) => {
                         let g_out = input.unwrap_or_else(|| Tensor::from(weight[i]).to_kind(Kind::Float));
                         let (g, dx) = runners[chunk].backward(i, &g_out, &part).map_err(fail)?;
-                        for (j, gj) in g {
-                            match grads.get_mut(&j) {
-                                Some(acc) => drop(acc.g_add_(&gj)),
-                                None => drop(grads.insert(j, gj)),
-                            }
-                        }
+                        accumulate(&mut grads, g);
                         held -= 1;
                         dx
                     }

@@ -298,12 +298,7 @@ pub fn run_pipeline(
                 if let Some(dx) = dx {
                     pg.send(&dx, r - 1)?;
                 }
-                for (k, gk) in g {
-                    match grads.get_mut(&k) {
-                        Some(acc) => drop(acc.g_add_(&gk)),
-                        None => drop(grads.insert(k, gk)),
-                    }
-                }
+                accumulate(&mut grads, g);
                 held -= 1;
             }
         }
@@ -336,6 +331,16 @@ pub(super) fn micro_batch_weights(batch: &Batch, micro_batches: usize) -> Result
     }
     let total: f64 = counts.iter().sum();
     Ok((mb, t, counts.iter().map(|c| c / total).collect()))
+}
+
+/// Add one micro-batch's parameter gradients (by parameter index) into the step's sums.
+pub(super) fn accumulate(grads: &mut BTreeMap<usize, Tensor>, g: impl IntoIterator<Item = (usize, Tensor)>) {
+    for (k, gk) in g {
+        match grads.get_mut(&k) {
+            Some(acc) => drop(acc.g_add_(&gk)),
+            None => drop(grads.insert(k, gk)),
+        }
+    }
 }
 
 /// Tied parameters used on several ranks (`used[q]`: the parameters rank q's stages use): the
