@@ -924,4 +924,29 @@ fn unsynced_changes_are_kept_in_any_subset() {
     assert_eq!(d.unsynced(), vec![vec!["f/g".to_string()]]);
     d.sync("f").unwrap();
     assert!(d.unsynced().is_empty());
+    // A rename between folders: syncing either folder makes both halves durable, so the file
+    // never ends in neither folder (nor in both).
+    for synced in ["f", "h"] {
+        let mut d = sim::SimDisk::new();
+        for f in ["f", "h"] {
+            d.create_dir(f).unwrap();
+        }
+        d.write("f/x", b"1").unwrap();
+        d.sync("f/x").unwrap();
+        d.sync("f").unwrap();
+        d.sync("").unwrap();
+        d.rename("f/x", "h/x").unwrap();
+        d.sync(synced).unwrap();
+        assert!(d.unsynced().is_empty(), "syncing {synced} settles the rename: {:?}", d.unsynced());
+        d.power_loss();
+        d.reboot();
+        assert_eq!((d.list("f"), d.list("h")), (vec![], vec!["x".to_string()]), "synced {synced}");
+    }
+    // A folder removed but not yet durably: its pending changes may come back with it.
+    let mut d = sim::SimDisk::new();
+    d.create_dir("f").unwrap();
+    d.sync("").unwrap();
+    d.write("f/a", b"1").unwrap();
+    d.remove_all("f").unwrap();
+    assert_eq!(d.unsynced(), vec![vec!["f".to_string()], vec!["f/a".into()]]);
 }

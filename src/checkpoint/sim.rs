@@ -10,7 +10,13 @@
 //!   default every such change is lost (an entry added comes back missing, one removed comes
 //!   back, a rename is undone); [`SimDisk::keep_on_power_loss`] keeps any subset of them, so
 //!   that a test can try every order in which they might have reached the disk. The two names
-//!   of one rename go together (a rename is atomic).
+//!   of one rename go together (a rename is atomic; syncing either folder of a rename between
+//!   two folders makes both halves durable, as a journaling file system does).
+//!
+//! Simplifications, so that a test knows what it has not tried: a name changed twice since its
+//! folder's sync comes back as it was or as it is, never as it was in between; `remove_all` takes
+//! a folder's entry away in one operation (a real `rm -rf` unlinks file by file, and a crash can
+//! leave part of the folder).
 //!
 //! Paths are relative to the disk's root and use `/`: `"latest"`, `"step-00000002.tmp/a.bin"`.
 //! Operations count from 0; [`SimDisk::crash_at`]`(k)` makes operation `k` fail instead of
@@ -158,10 +164,12 @@ impl SimDisk {
     }
 
     /// Changed (directory, name) pairs, grouped by the renames that tie them.
+    /// Folders no link reaches, now or durably, are left out: nothing in them can be seen.
     fn groups(&self) -> Vec<Vec<(usize, String)>> {
+        let linked = self.paths();
         let mut changed = BTreeSet::new();
-        for (d, n) in self.nodes.iter().enumerate() {
-            if let Node::Dir { entries, durable } = n {
+        for &d in linked.keys() {
+            if let Node::Dir { entries, durable } = &self.nodes[d] {
                 for name in entries.keys().chain(durable.keys()) {
                     if entries.get(name) != durable.get(name) {
                         changed.insert((d, name.clone()));
@@ -195,13 +203,14 @@ impl SimDisk {
         order.into_iter().map(|r| groups.remove(&r).unwrap_or_default()).collect()
     }
 
-    /// Every linked directory's path, by inode (the root is `""`).
+    /// The path of every directory linked now or durably (a power loss may bring it back), by
+    /// inode; the root is `""`.
     fn paths(&self) -> BTreeMap<usize, String> {
         let mut paths = BTreeMap::from([(0, String::new())]);
         let mut todo = vec![0];
         while let Some(d) = todo.pop() {
-            if let Node::Dir { entries, .. } = &self.nodes[d] {
-                for (name, &ino) in entries {
+            if let Node::Dir { entries, durable } = &self.nodes[d] {
+                for (name, &ino) in entries.iter().chain(durable.iter()) {
                     if matches!(self.nodes[ino], Node::Dir { .. }) && !paths.contains_key(&ino) {
                         paths.insert(ino, join(&paths, d, name));
                         todo.push(ino);
@@ -336,10 +345,32 @@ impl SimDisk {
     pub fn sync(&mut self, path: &str) -> Result<(), SimError> {
         self.op(format!("sync {}", if path.is_empty() { "/" } else { path }))?;
         let ino = self.lookup(path).ok_or_else(|| SimError::NotFound(path.into()))?;
+        // A rename between two folders is one journal transaction: syncing either folder makes
+        // both of its halves durable (else a file could end in neither folder, or in both).
+        let other_halves: Vec<(usize, String)> = (self.renames.iter())
+            .flat_map(|[a, b]| [(a, b), (b, a)])
+            .filter(|(here, _)| here.0 == ino)
+            .map(|(_, there)| there.clone())
+            .collect();
         match &mut self.nodes[ino] {
             Node::File { data, durable } => *durable = data.clone(),
             Node::Dir { entries, durable } => *durable = entries.clone(),
         }
+        for (d, name) in other_halves {
+            if let Node::Dir { entries, durable } = &mut self.nodes[d] {
+                match entries.get(&name) {
+                    Some(&i) => durable.insert(name, i),
+                    None => durable.remove(&name),
+                };
+            }
+        }
+        // A rename both of whose names are durable ties nothing any more.
+        let pending = |n: &Node, name: &str| matches!(n, Node::Dir { entries, durable } if entries.get(name) != durable.get(name));
+        let renames = std::mem::take(&mut self.renames);
+        self.renames = renames
+            .into_iter()
+            .filter(|[a, b]| pending(&self.nodes[a.0], &a.1) || pending(&self.nodes[b.0], &b.1))
+            .collect();
         Ok(())
     }
 

@@ -83,6 +83,18 @@ pub fn strict() -> bool {
 /// call (`x.name(`), where the letter before the dot is the receiver's. Only the learner's copy
 /// is checked (the reference answers call none).
 pub fn refuse_twins(g: Grader, k: usize, twins: &[&str]) {
+    refuse_names(g, k, twins, |t| {
+        format!(
+            "write it yourself: your exercise {k} names `{t}`, shardlab's own copy (or a library's) of what this \
+             exercise asks you to build. (If `{t}` is a helper or variable of your own, rename it; the lines above \
+             exercise 1 count for every exercise.)"
+        )
+    })
+}
+
+/// Refuse exercise `k`'s code if it names any of `names` (matched as [`refuse_twins`] does), with
+/// the message `why(name)`: for what an exercise must not call (a test's own controls, say).
+pub fn refuse_names(g: Grader, k: usize, names: &[&str], why: impl Fn(&str) -> String) {
     if g.who != Who::Exercise {
         return;
     }
@@ -107,12 +119,8 @@ pub fn refuse_twins(g: Grader, k: usize, twins: &[&str]) {
             before && after
         })
     };
-    if let Some(t) = twins.iter().find(|t| word(t)) {
-        panic!(
-            "write it yourself: your exercise {k} names `{t}`, shardlab's own copy (or a library's) of what this \
-             exercise asks you to build. (If `{t}` is a helper or variable of your own, rename it; the lines above \
-             exercise 1 count for every exercise.)"
-        );
+    if let Some(t) = names.iter().find(|t| word(t)) {
+        panic!("{}", why(t));
     }
 }
 
