@@ -74,7 +74,12 @@ shardlab::graders! {
                             let before = pg.stats();
                             tree_broadcast(pg, &mut t, root)?;
                             let after = pg.stats();
-                            if !t.equal(&want) {
+                            if (t.size(), t.kind()) != (want.size(), want.kind()) {
+                                bad.push(format!(
+                                    "rank {} root {root} numel {numel}: t became {:?} {:?}, want {:?} {:?} (fill the tensor you were given)",
+                                    pg.rank(), t.size(), t.kind(), want.size(), want.kind()
+                                ));
+                            } else if !t.equal(&want) {
                                 bad.push(format!("rank {} root {root} numel {numel}: wrong data", pg.rank()));
                             }
                             // Along the tree: a rank sends B per child and receives B once (unless root).

@@ -120,7 +120,12 @@ shardlab::graders! {
                         }
                         // Serial reference: the sum of every rank's input.
                         let want = (0..n).map(mine).fold(Tensor::zeros([numel], (Kind::Float, Device::Cpu)), |a, b| a + b);
-                        if !t.allclose(&want, 1e-6, 1e-6, false) {
+                        if (t.size(), t.kind()) != (want.size(), want.kind()) {
+                            bad.push(format!(
+                                "rank {} numel {numel}: t became {:?} {:?}, want {:?} {:?} (sum into the tensor you were given)",
+                                pg.rank(), t.size(), t.kind(), want.size(), want.kind()
+                            ));
+                        } else if !t.allclose(&want, 1e-6, 1e-6, false) {
                             bad.push(format!("rank {} numel {numel}: wrong sum", pg.rank()));
                         }
                         // A ring sends 2(n−1)/n of the tensor per rank (± one element per step).

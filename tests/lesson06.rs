@@ -76,6 +76,12 @@ shardlab::graders! {
                         pg.rank(),
                         ran.describe_calls()
                     );
+                    let want = [5 * pg.world_size() as i64];
+                    anyhow::ensure!(
+                        (full.size(), full.kind()) == (want.to_vec(), Kind::Float),
+                        "rank {}: gather_unit returned {:?} {:?}, want {want:?} Float (every rank's 5-element shard, in rank order)",
+                        pg.rank(), full.size(), full.kind()
+                    );
                     Ok(Vec::<f32>::try_from(&full)?)
                 })
                 .unwrap();
@@ -104,6 +110,11 @@ shardlab::graders! {
                          holds gradients it throws away)",
                         pg.rank(),
                         ran.describe_calls()
+                    );
+                    anyhow::ensure!(
+                        (shard.size(), shard.kind()) == (vec![4], Kind::Float),
+                        "rank {}: reduce_scatter_grads returned {:?} {:?}, want [4] Float (this rank's quarter of the gradient)",
+                        pg.rank(), shard.size(), shard.kind()
                     );
                     Ok(Vec::<f32>::try_from(&shard)?)
                 })
@@ -136,9 +147,16 @@ shardlab::graders! {
                 let g = reduce_scatter_grads(pg, &grad)?;
                 let want =
                     padded_flat.narrow(0, range.start, range.end - range.start) * ((pg.world_size() + 1) as f64 / 2.0);
+                for (what, got, want) in [("gather_unit", &back, &padded_flat), ("reduce_scatter_grads", &g, &want)] {
+                    anyhow::ensure!(
+                        (got.size(), got.kind()) == (want.size(), want.kind()),
+                        "rank {}: {what} returned {:?} {:?}, want {:?} {:?}",
+                        pg.rank(), got.size(), got.kind(), want.size(), want.kind()
+                    );
+                }
                 Ok((back.equal(&padded_flat), g.allclose(&want, 1e-6, 1e-6, false)))
             })
-            .unwrap();
+            .unwrap_or_else(|e| panic!("n={n}: {e:#}"));
             assert!(out.iter().all(|&(a, b)| a && b), "n={n}: gathered unit or averaged gradient shard differs: {out:?}");
         }
     }
@@ -359,9 +377,9 @@ shardlab::graders! {
                         pg.rank(), t.got.len(), t.want.len());
                     for (u, (got, want)) in t.got.iter().zip(&t.want).enumerate() {
                         anyhow::ensure!(
-                            got.size() == want.size(),
-                            "rank {}: unit {u}'s gradient shard has shape {:?}, want {:?} (this rank's shard of the padded unit)",
-                            pg.rank(), got.size(), want.size()
+                            (got.size(), got.kind()) == (want.size(), want.kind()),
+                            "rank {}: unit {u}'s gradient shard is {:?} {:?}, want {:?} {:?} (this rank's shard of the padded unit)",
+                            pg.rank(), got.size(), got.kind(), want.size(), want.kind()
                         );
                         let diff = (got - want).abs().max().double_value(&[]);
                         anyhow::ensure!(

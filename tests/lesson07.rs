@@ -81,8 +81,11 @@ shardlab::graders! {
             opt.step();
             opt.zero_grad();
             adamw_shard_step(&mut p, &Tensor::cat(&[gw.view([-1]), gb], 0), &mut m, &mut v, &wdv, t, lr, betas, eps);
+            for (what, x) in [("p", &p), ("m", &m), ("v", &v)] {
+                shardlab::grading::assert_layout(x, &[17], Kind::Float, &format!("step {t}: {what} after the step (update it in place)"));
+            }
             let reference = Tensor::cat(&[w.detach().view([-1]), b.detach()], 0);
-            let diff = (&p - &reference).abs().max().double_value(&[]);
+            let diff = shardlab::grading::max_diff(&p, &reference, &format!("step {t}: p"));
             assert!(diff < 1e-6, "step {t}: sharded AdamW differs from libtorch's by {diff}");
         }
     }
@@ -105,6 +108,11 @@ shardlab::graders! {
                         n == 1 || (ran.calls(OpKind::AllGather) == 1 && ran.collectives == 1 && ran.p2p == 0),
                         "rank {r}: all_gather_params should make exactly one all_gather; it made {}",
                         ran.describe_calls()
+                    );
+                    anyhow::ensure!(
+                        (flat.size(), flat.kind()) == (vec![3 * n], Kind::Float),
+                        "rank {r}: flat became {:?} {:?}, want [{}] Float (gather into the buffer you were given)",
+                        flat.size(), flat.kind(), 3 * n
                     );
                     Ok(Vec::<f32>::try_from(&flat)?)
                 })
@@ -179,6 +187,14 @@ shardlab::graders! {
             let before = pg.stats();
             zero1_step(pg, &mut flat, &grad, &mut m, &mut v, &wdv, t, lr, betas, eps)?;
             let ran = pg.stats().since(&before);
+            for (what, x, len) in [("flat", &flat, layout.padded), ("m", &m, layout.shard), ("v", &v, layout.shard)] {
+                anyhow::ensure!(
+                    (x.size(), x.kind()) == (vec![len], Kind::Float),
+                    "rank {r}, step {t}: {what} became {:?} {:?}, want [{len}] Float (update the buffers you were given in place)",
+                    x.size(),
+                    x.kind()
+                );
+            }
             check(t, &ran, &flat, &reference, layout.shard)?;
         }
         Ok(())
@@ -192,7 +208,6 @@ shardlab::graders! {
                 let backend = opts.backend;
                 spawn_with(opts, |pg| {
                     zero1_next_to_libtorch(pg, |t, _, flat, reference, _| {
-                        anyhow::ensure!(flat.numel() as i64 >= 17, "rank {}: flat lost its size", pg.rank());
                         let diff = (flat.narrow(0, 0, 17) - reference).abs().max().double_value(&[]);
                         anyhow::ensure!(
                             diff < 1e-6,

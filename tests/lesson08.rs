@@ -88,8 +88,8 @@ shardlab::graders! {
         for _ in 0..1000 {
             master_weight_step(&mut master, &mut working, &grad, lr);
         }
-        assert_eq!(master.kind(), Kind::Float, "the master stays f32");
-        assert_eq!(working.kind(), Kind::BFloat16, "the working copy stays bf16");
+        shardlab::grading::assert_layout(&master, &[5], Kind::Float, "the master after 1000 steps (it stays f32)");
+        shardlab::grading::assert_layout(&working, &[5], Kind::BFloat16, "the working copy after 1000 steps (it stays bf16)");
         assert_eq!(working.data_ptr(), ptr, "refresh the working copy in place (the model's parameters are views of it)");
         let got = Vec::<f32>::try_from(&master.detach()).unwrap();
         for i in 0..init.len() {

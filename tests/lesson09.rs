@@ -148,6 +148,7 @@ shardlab::graders! {
                 );
             }
             let want = m.inner.loss(&batch()).double_value(&[]);
+            shardlab::grading::assert_layout(&kept[n - 1].1, &[], Kind::Float, &format!("{policy}: the last stage's output (the loss)"));
             let got = kept[n - 1].1.double_value(&[]);
             assert!((got - want).abs() < 1e-6, "{policy}: the last output is the loss {want}, got {got}");
         }

@@ -14,6 +14,7 @@ mod solution_code;
 
 use shardlab::comm::auth::Secret;
 use shardlab::comm::store::{StoreClient, StoreServer};
+use shardlab::grading::same_memory;
 use shardlab::model::{Gpt, GptConfig, Model};
 use shardlab::optim::{AdamW, AdamWConfig, Decay, Optimizer};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -188,9 +189,17 @@ shardlab::graders! {
         shardlab::device::load_libtorch_cuda(); // test binaries do not link it
         let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).reshape([3, 4]);
         let s = stage(&t, Device::Cpu);
-        assert_eq!(s.data_ptr(), t.data_ptr(), "a contiguous CPU tensor for a CPU backend: no copy (share its memory)");
+        let memory = |s: &Tensor| format!("{:?} {:?} at {:?}, strides {:?}", s.size(), s.kind(), s.data_ptr(), s.stride());
+        assert!(
+            same_memory(&s, &t),
+            "a contiguous CPU tensor for a CPU backend: no copy, the tensor itself (its memory, shape and strides); got {}, \
+             want {}",
+            memory(&s),
+            memory(&t)
+        );
         let row = t.narrow(0, 1, 1); // contiguous, starting 4 elements in
-        assert_eq!(stage(&row, Device::Cpu).data_ptr(), row.data_ptr(), "a contiguous view is used in place too");
+        let s = stage(&row, Device::Cpu);
+        assert!(same_memory(&s, &row), "a contiguous view is used in place too; got {}, want {}", memory(&s), memory(&row));
         for (what, v) in [("a transposed view", t.tr()), ("a strided column", t.narrow(1, 2, 1)), ("an expanded row", t.narrow(0, 0, 1).expand([5, 4], false))] {
             let s = stage(&v, Device::Cpu);
             assert!(s.is_contiguous(), "{what}: the backend needs contiguous memory");
@@ -201,18 +210,23 @@ shardlab::graders! {
             let v = Tensor::arange(6, (kind, Device::Cpu)).reshape([2, 3]).tr();
             let s = stage(&v, Device::Cpu);
             assert_eq!(s.kind(), kind, "{kind:?}: staging keeps the kind");
+            assert!(s.is_contiguous(), "{kind:?}, a transposed view: the backend needs contiguous memory");
+            shardlab::grading::assert_layout(&s, &[3, 2], kind, &format!("{kind:?}, a transposed [3, 2] view, staged"));
             assert_eq!(values(&s), values(&v), "{kind:?}: same values");
         }
         if let Some(gpu) = cuda() {
             let g = t.to_device(gpu);
             let h = stage(&g, Device::Cpu);
             assert_eq!(h.device(), Device::Cpu, "GPU → CPU backend: a host copy");
+            shardlab::grading::assert_layout(&h, &[3, 4], Kind::Float, "GPU → CPU: the host copy");
+            assert!(h.is_contiguous(), "GPU → CPU: the backend needs contiguous memory");
             assert!(h.is_pinned(gpu), "from a GPU, stage into pinned (page-locked) host memory");
             assert_eq!(values(&h), values(&t), "GPU → CPU: the same values");
             let back = stage(&t.tr(), gpu);
             assert!(back.device() == gpu && back.is_contiguous(), "CPU → NCCL: a contiguous device copy");
+            shardlab::grading::assert_layout(&back, &[4, 3], Kind::Float, "CPU → GPU: a transposed [4, 3] view, staged");
             assert_eq!(values(&back), values(&t.tr()), "CPU → GPU: the same values");
-            assert_eq!(stage(&g, gpu).data_ptr(), g.data_ptr(), "on the GPU for a GPU backend: no copy");
+            assert!(same_memory(&stage(&g, gpu), &g), "on the GPU for a GPU backend: no copy, the tensor itself");
         }
     }
 
@@ -226,19 +240,20 @@ shardlab::graders! {
         let staged = Tensor::arange(6, (Kind::Float, Device::Cpu)).reshape([3, 2]);
         unstage(&mut view, &staged);
         assert_eq!(values(&base.tr()), values(&staged), "the result must land in the buffer behind the view");
-        assert_eq!(view.data_ptr(), base.data_ptr(), "write into dst's memory; do not make dst a new tensor");
+        assert!(same_memory(&view, &base.tr()), "write into dst's memory; do not make dst a new tensor (or another view)");
         // Already the caller's memory (a contiguous tensor staged in place): unchanged.
         let mut t = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
         let same = t.shallow_clone();
         unstage(&mut t, &same);
+        assert!(same_memory(&t, &same), "staged is dst's own memory: leave dst as it is");
         assert_eq!(values(&t), vec![1.0, 2.0, 3.0], "staged is dst's own memory: leave it as it is");
         // Already dst's memory, and autograd saved dst for a backward (exp keeps its output): a copy
         // onto itself changes no value, but it is a write — a kernel on a GPU, and autograd then
         // refuses the backward that needs the saved tensor ("modified by an inplace operation").
         let a = Tensor::from_slice(&[0.5f32, 1.0, 1.5]).set_requires_grad(true);
         let mut d = a.exp();
-        let same_memory = d.detach();
-        unstage(&mut d, &same_memory);
+        let own = d.detach();
+        unstage(&mut d, &own);
         let backward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.sum(Kind::Float).backward()));
         assert!(
             backward.is_ok(),
@@ -254,6 +269,7 @@ shardlab::graders! {
         // not part of the model's computation, so autograd must not record it (libtorch refuses an
         // in-place write to such a leaf while it records).
         let mut p = Tensor::zeros([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let p_memory = p.shallow_clone();
         let back = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
         let wrote = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unstage(&mut p, &back)));
         assert!(
@@ -263,6 +279,7 @@ shardlab::graders! {
         );
         assert_eq!(values(&p.detach()), vec![1.0, 2.0, 3.0], "the parameter must hold the result");
         assert!(p.requires_grad() && p.is_leaf(), "the parameter must stay a leaf that requires grad");
+        assert!(same_memory(&p, &p_memory), "write into the parameter's own memory (the model holds it); do not replace it");
         if let Some(gpu) = cuda() {
             let g = Tensor::zeros([4], (Kind::Float, gpu));
             let mut gv = g.shallow_clone();

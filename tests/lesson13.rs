@@ -152,6 +152,17 @@ shardlab::graders! {
             let plan = shardlab::pipeline::schedule(kind, p, m, r);
             let next = if r + 1 == p { vec![] } else { shardlab::pipeline::schedule(kind, p, m, r + 1) };
             let (loss, grads) = run_rank(pg, &mut runner, &plan, &next, &batch, m)?;
+            let params = gpt.parameters();
+            for (&k, g) in &grads {
+                let p = params.get(k).ok_or_else(|| anyhow::anyhow!("rank {r}: a gradient for parameter {k}; the model has {}", params.len()))?;
+                anyhow::ensure!(
+                    g.defined() && (g.size(), g.kind()) == (p.size(), Kind::Float),
+                    "rank {r}: parameter {k}'s gradient is {:?} {:?}, want its parameter's shape {:?} Float",
+                    if g.defined() { g.size() } else { vec![] },
+                    if g.defined() { g.kind() } else { Kind::Float },
+                    p.size()
+                );
+            }
             let grads = grads.iter().map(|(&k, g)| (k, Vec::<f32>::try_from(g.reshape([-1])).unwrap())).collect();
             Ok((loss, grads))
         })

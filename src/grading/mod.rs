@@ -21,10 +21,12 @@
 //! An exercise is the part of `exercise.rs` from a doc comment `/// Exercise K — …` to the next
 //! one; its tests are the grader's tests named `exK_…`.
 
+mod compare;
 mod exercises;
 mod progress;
 mod torch_errors;
 
+pub use compare::{assert_layout, max_diff, same_memory};
 pub use exercises::{exercise_number, exercises, Exercise};
 pub use progress::{crate_root, grade, progress, progress_table, records_dir, LessonProgress};
 
