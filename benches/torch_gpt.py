@@ -21,6 +21,10 @@ What it is
            ``--device cuda`` (single only) runs it on the GPU, each step timed
            after ``torch.cuda.synchronize()`` (shardlab times CUDA steps to their
            kernels' end the same way), and reports ``cuda_max_allocated_bytes``.
+    kernels  the two kernels of one block that lesson 08 times per precision: a
+           linear layer of c_attn's shape (B*T rows of n_embd in, 3*n_embd out)
+           and causal SDPA on (B, n_head, T, n_embd/n_head), in fp32, bf16 and
+           fp16, each the median of ``--reps`` calls after ``--warmup``.
 
 How to run (from the repository root)
     .venv/bin/python benches/torch_gpt.py init --out /tmp/gpt.safetensors
@@ -35,6 +39,7 @@ Output
     Every subcommand prints one JSON summary line on stdout:
     init  {"saved": path, "params": n}
     eval  {"eval_loss": x, "windows": n, "tokens": n*T}
+    kernels {"kernel", "dtype", "shape", "ms_median", "threads"} per kernel and dtype
     train {"impl": "pytorch", "strategy", "world_size", "params", "tokens_per_s",
            "step_s_median", "final_loss", "threads", "checkpointing",
            "peak_rss_bytes"}
@@ -430,6 +435,31 @@ def cmd_train(args) -> None:
     emit(queue.get())
 
 
+# ---------------------------------------------------------------------- kernels
+def cmd_kernels(args) -> None:
+    B, T, C, H = args.batch_size, args.block_size, args.n_embd, args.n_head
+    g = torch.Generator().manual_seed(args.seed)
+    for dtype in ("fp32", "bf16", "fp16"):
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        x = torch.randn(B * T, C, generator=g).to(dt)
+        w = torch.randn(3 * C, C, generator=g).to(dt)
+        q, k, v = (torch.randn(B, H, T, C // H, generator=g).to(dt) for _ in range(3))
+        cases = [
+            ("linear", f"({B * T}, {C}) x ({3 * C}, {C})^T", lambda: F.linear(x, w)),
+            ("sdpa", f"({B}, {H}, {T}, {C // H}) causal", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        ]
+        for name, shape, f in cases:
+            times = []
+            with torch.no_grad():
+                for i in range(args.warmup + args.reps):
+                    t0 = time.perf_counter()
+                    f()
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t0)
+            print(json.dumps({"kernel": name, "dtype": dtype, "shape": shape,
+                              "ms_median": round(statistics.median(times) * 1e3, 2), "threads": args.threads}))
+
+
 # -------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -452,6 +482,13 @@ def parse_args(argv=None):
     i.add_argument("--out", required=True)
     i.add_argument("--seed", type=int, default=0)
     i.set_defaults(func=cmd_init)
+
+    k = sub.add_parser("kernels", help="one block's linear and SDPA timed in fp32, bf16 and fp16")
+    k.add_argument("--batch-size", type=int, default=8, help="sequences")
+    k.add_argument("--reps", type=int, default=20)
+    k.add_argument("--warmup", type=int, default=3)
+    k.add_argument("--seed", type=int, default=0)
+    k.set_defaults(func=cmd_kernels)
 
     t = sub.add_parser("train", help="tokens/s training benchmark")
     t.add_argument("--strategy", choices=("single", "ddp", "fsdp", "tp"), default="single",

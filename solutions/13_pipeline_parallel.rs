@@ -115,7 +115,8 @@ pub fn partition(num_stages: usize, ranks: usize) -> Result<Vec<Range<usize>>, S
 ///   f32 tensor; README, "The loss over micro-batches"), the others from the gradient received
 ///   from rank r + 1; send dL/dx to rank r − 1; add the parameter gradients into this rank's sums.
 /// Return the batch's mean loss on the last rank (0.0 on the others) and this rank's gradient
-/// sums by parameter index. The tied embedding's exchange and the loss's broadcast are not part
+/// sums by parameter index, each in its parameter's shape, f32 (as `runner.backward` returns
+/// them). The tied embedding's exchange and the loss's broadcast are not part
 /// of it.
 pub fn run_rank(
     pg: &ProcessGroup,

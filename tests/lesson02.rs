@@ -74,11 +74,8 @@ shardlab::graders! {
                             let before = pg.stats();
                             tree_broadcast(pg, &mut t, root)?;
                             let after = pg.stats();
-                            if (t.size(), t.kind()) != (want.size(), want.kind()) {
-                                bad.push(format!(
-                                    "rank {} root {root} numel {numel}: t became {:?} {:?}, want {:?} {:?} (fill the tensor you were given)",
-                                    pg.rank(), t.size(), t.kind(), want.size(), want.kind()
-                                ));
+                            if let Some(e) = shardlab::grading::layout_error(&t, &want.size(), want.kind()) {
+                                bad.push(format!("rank {} root {root} numel {numel}: t became {e} (fill the tensor you were given)", pg.rank()));
                             } else if !t.equal(&want) {
                                 bad.push(format!("rank {} root {root} numel {numel}: wrong data", pg.rank()));
                             }

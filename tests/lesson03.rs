@@ -120,11 +120,8 @@ shardlab::graders! {
                         }
                         // Serial reference: the sum of every rank's input.
                         let want = (0..n).map(mine).fold(Tensor::zeros([numel], (Kind::Float, Device::Cpu)), |a, b| a + b);
-                        if (t.size(), t.kind()) != (want.size(), want.kind()) {
-                            bad.push(format!(
-                                "rank {} numel {numel}: t became {:?} {:?}, want {:?} {:?} (sum into the tensor you were given)",
-                                pg.rank(), t.size(), t.kind(), want.size(), want.kind()
-                            ));
+                        if let Some(e) = shardlab::grading::layout_error(&t, &want.size(), want.kind()) {
+                            bad.push(format!("rank {} numel {numel}: t became {e} (sum into the tensor you were given)", pg.rank()));
                         } else if !t.allclose(&want, 1e-6, 1e-6, false) {
                             bad.push(format!("rank {} numel {numel}: wrong sum", pg.rank()));
                         }

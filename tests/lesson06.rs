@@ -76,12 +76,9 @@ shardlab::graders! {
                         pg.rank(),
                         ran.describe_calls()
                     );
-                    let want = [5 * pg.world_size() as i64];
-                    anyhow::ensure!(
-                        (full.size(), full.kind()) == (want.to_vec(), Kind::Float),
-                        "rank {}: gather_unit returned {:?} {:?}, want {want:?} Float (every rank's 5-element shard, in rank order)",
-                        pg.rank(), full.size(), full.kind()
-                    );
+                    if let Some(e) = shardlab::grading::layout_error(&full, &[5 * pg.world_size() as i64], Kind::Float) {
+                        anyhow::bail!("rank {}: gather_unit returned {e} (every rank's 5-element shard, in rank order)", pg.rank());
+                    }
                     Ok(Vec::<f32>::try_from(&full)?)
                 })
                 .unwrap();
@@ -111,11 +108,9 @@ shardlab::graders! {
                         pg.rank(),
                         ran.describe_calls()
                     );
-                    anyhow::ensure!(
-                        (shard.size(), shard.kind()) == (vec![4], Kind::Float),
-                        "rank {}: reduce_scatter_grads returned {:?} {:?}, want [4] Float (this rank's quarter of the gradient)",
-                        pg.rank(), shard.size(), shard.kind()
-                    );
+                    if let Some(e) = shardlab::grading::layout_error(&shard, &[4], Kind::Float) {
+                        anyhow::bail!("rank {}: reduce_scatter_grads returned {e} (this rank's 4-element block of the gradient)", pg.rank());
+                    }
                     Ok(Vec::<f32>::try_from(&shard)?)
                 })
                 .unwrap();
@@ -148,11 +143,9 @@ shardlab::graders! {
                 let want =
                     padded_flat.narrow(0, range.start, range.end - range.start) * ((pg.world_size() + 1) as f64 / 2.0);
                 for (what, got, want) in [("gather_unit", &back, &padded_flat), ("reduce_scatter_grads", &g, &want)] {
-                    anyhow::ensure!(
-                        (got.size(), got.kind()) == (want.size(), want.kind()),
-                        "rank {}: {what} returned {:?} {:?}, want {:?} {:?}",
-                        pg.rank(), got.size(), got.kind(), want.size(), want.kind()
-                    );
+                    if let Some(e) = shardlab::grading::layout_error(got, &want.size(), want.kind()) {
+                        anyhow::bail!("rank {}: {what} returned {e}", pg.rank());
+                    }
                 }
                 Ok((back.equal(&padded_flat), g.allclose(&want, 1e-6, 1e-6, false)))
             })
@@ -376,11 +369,9 @@ shardlab::graders! {
                     anyhow::ensure!(t.got.len() == t.want.len(), "rank {}: {} gradient shards returned, want one per unit ({})",
                         pg.rank(), t.got.len(), t.want.len());
                     for (u, (got, want)) in t.got.iter().zip(&t.want).enumerate() {
-                        anyhow::ensure!(
-                            (got.size(), got.kind()) == (want.size(), want.kind()),
-                            "rank {}: unit {u}'s gradient shard is {:?} {:?}, want {:?} {:?} (this rank's shard of the padded unit)",
-                            pg.rank(), got.size(), got.kind(), want.size(), want.kind()
-                        );
+                        if let Some(e) = shardlab::grading::layout_error(got, &want.size(), want.kind()) {
+                            anyhow::bail!("rank {}: unit {u}'s gradient shard is {e} (this rank's shard of the padded unit)", pg.rank());
+                        }
                         let diff = (got - want).abs().max().double_value(&[]);
                         anyhow::ensure!(
                             got.allclose(want, 1e-4, 1e-6, false),

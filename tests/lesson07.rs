@@ -109,11 +109,9 @@ shardlab::graders! {
                         "rank {r}: all_gather_params should make exactly one all_gather; it made {}",
                         ran.describe_calls()
                     );
-                    anyhow::ensure!(
-                        (flat.size(), flat.kind()) == (vec![3 * n], Kind::Float),
-                        "rank {r}: flat became {:?} {:?}, want [{}] Float (gather into the buffer you were given)",
-                        flat.size(), flat.kind(), 3 * n
-                    );
+                    if let Some(e) = shardlab::grading::layout_error(&flat, &[3 * n], Kind::Float) {
+                        anyhow::bail!("rank {r}: flat became {e} (gather into the buffer you were given)");
+                    }
                     Ok(Vec::<f32>::try_from(&flat)?)
                 })
                 .unwrap();
@@ -188,12 +186,9 @@ shardlab::graders! {
             zero1_step(pg, &mut flat, &grad, &mut m, &mut v, &wdv, t, lr, betas, eps)?;
             let ran = pg.stats().since(&before);
             for (what, x, len) in [("flat", &flat, layout.padded), ("m", &m, layout.shard), ("v", &v, layout.shard)] {
-                anyhow::ensure!(
-                    (x.size(), x.kind()) == (vec![len], Kind::Float),
-                    "rank {r}, step {t}: {what} became {:?} {:?}, want [{len}] Float (update the buffers you were given in place)",
-                    x.size(),
-                    x.kind()
-                );
+                if let Some(e) = shardlab::grading::layout_error(x, &[len], Kind::Float) {
+                    anyhow::bail!("rank {r}, step {t}: {what} became {e} (update the buffers you were given in place)");
+                }
             }
             check(t, &ran, &flat, &reference, layout.shard)?;
         }

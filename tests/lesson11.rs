@@ -14,7 +14,6 @@ mod solution_code;
 
 use shardlab::comm::auth::Secret;
 use shardlab::comm::store::{StoreClient, StoreServer};
-use shardlab::grading::same_memory;
 use shardlab::model::{Gpt, GptConfig, Model};
 use shardlab::optim::{AdamW, AdamWConfig, Decay, Optimizer};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,7 +26,7 @@ shardlab::graders! {
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["flops::mfu", "flops::flops_per_token", "flops::matmul_params", "shardlab::flops"], &["nccl::share_unique_id", "comm::nccl", "nccl::UniqueId"], &["staging::stage", "comm::staging", "staging::output_buffer"], &["staging::unstage", "comm::staging"], &[]];
+    const TWINS: &[&[&str]] = &[&["flops::mfu", "flops::flops_per_token", "flops::matmul_params", "shardlab::flops"], &["nccl::share_unique_id", "comm::nccl", "nccl::UniqueId"], &["staging::stage", "comm::staging", "staging::output_buffer", "grading::"], &["staging::unstage", "comm::staging", "grading::"], &[]];
 
     /// Parameters that multiply activations, counted from a built model's tensors: all of them
     /// but the position embedding (`wpe`); the tied output head is the token embedding's tensor.
@@ -189,9 +188,12 @@ shardlab::graders! {
         shardlab::device::load_libtorch_cuda(); // test binaries do not link it
         let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).reshape([3, 4]);
         let s = stage(&t, Device::Cpu);
-        let memory = |s: &Tensor| format!("{:?} {:?} at {:?}, strides {:?}", s.size(), s.kind(), s.data_ptr(), s.stride());
+        let memory = |s: &Tensor| match shardlab::grading::memory(s) {
+            Some(m) => format!("{:?} {:?} at {:#x}, strides {:?}", m.size, m.kind, m.address, m.stride),
+            None => "an undefined tensor".to_string(),
+        };
         assert!(
-            same_memory(&s, &t),
+            shardlab::grading::same_memory(&s, &t),
             "a contiguous CPU tensor for a CPU backend: no copy, the tensor itself (its memory, shape and strides); got {}, \
              want {}",
             memory(&s),
@@ -199,7 +201,7 @@ shardlab::graders! {
         );
         let row = t.narrow(0, 1, 1); // contiguous, starting 4 elements in
         let s = stage(&row, Device::Cpu);
-        assert!(same_memory(&s, &row), "a contiguous view is used in place too; got {}, want {}", memory(&s), memory(&row));
+        assert!(shardlab::grading::same_memory(&s, &row), "a contiguous view is used in place too; got {}, want {}", memory(&s), memory(&row));
         for (what, v) in [("a transposed view", t.tr()), ("a strided column", t.narrow(1, 2, 1)), ("an expanded row", t.narrow(0, 0, 1).expand([5, 4], false))] {
             let s = stage(&v, Device::Cpu);
             assert!(s.is_contiguous(), "{what}: the backend needs contiguous memory");
@@ -226,7 +228,13 @@ shardlab::graders! {
             assert!(back.device() == gpu && back.is_contiguous(), "CPU → NCCL: a contiguous device copy");
             shardlab::grading::assert_layout(&back, &[4, 3], Kind::Float, "CPU → GPU: a transposed [4, 3] view, staged");
             assert_eq!(values(&back), values(&t.tr()), "CPU → GPU: the same values");
-            assert!(same_memory(&stage(&g, gpu), &g), "on the GPU for a GPU backend: no copy, the tensor itself");
+            let s = stage(&g, gpu);
+            assert!(
+                shardlab::grading::same_memory(&s, &g),
+                "on the GPU for a GPU backend: no copy, the tensor itself; got {}, want {}",
+                memory(&s),
+                memory(&g)
+            );
         }
     }
 
@@ -237,15 +245,20 @@ shardlab::graders! {
         // The caller's tensor is a transposed view of a buffer the model reads.
         let base = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
         let mut view = base.tr();
+        let view_memory = shardlab::grading::memory(&view);
         let staged = Tensor::arange(6, (Kind::Float, Device::Cpu)).reshape([3, 2]);
         unstage(&mut view, &staged);
         assert_eq!(values(&base.tr()), values(&staged), "the result must land in the buffer behind the view");
-        assert!(same_memory(&view, &base.tr()), "write into dst's memory; do not make dst a new tensor (or another view)");
+        assert!(
+            shardlab::grading::memory(&view) == view_memory,
+            "write into dst's memory; do not make dst a new tensor (or another view)"
+        );
         // Already the caller's memory (a contiguous tensor staged in place): unchanged.
         let mut t = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
         let same = t.shallow_clone();
+        let t_memory = shardlab::grading::memory(&t);
         unstage(&mut t, &same);
-        assert!(same_memory(&t, &same), "staged is dst's own memory: leave dst as it is");
+        assert!(shardlab::grading::memory(&t) == t_memory, "staged is dst's own memory: leave dst as it is");
         assert_eq!(values(&t), vec![1.0, 2.0, 3.0], "staged is dst's own memory: leave it as it is");
         // Already dst's memory, and autograd saved dst for a backward (exp keeps its output): a copy
         // onto itself changes no value, but it is a write — a kernel on a GPU, and autograd then
@@ -269,7 +282,7 @@ shardlab::graders! {
         // not part of the model's computation, so autograd must not record it (libtorch refuses an
         // in-place write to such a leaf while it records).
         let mut p = Tensor::zeros([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-        let p_memory = p.shallow_clone();
+        let p_memory = shardlab::grading::memory(&p);
         let back = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
         let wrote = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unstage(&mut p, &back)));
         assert!(
@@ -279,7 +292,7 @@ shardlab::graders! {
         );
         assert_eq!(values(&p.detach()), vec![1.0, 2.0, 3.0], "the parameter must hold the result");
         assert!(p.requires_grad() && p.is_leaf(), "the parameter must stay a leaf that requires grad");
-        assert!(same_memory(&p, &p_memory), "write into the parameter's own memory (the model holds it); do not replace it");
+        assert!(shardlab::grading::memory(&p) == p_memory, "write into the parameter's own memory (the model holds it); do not replace it");
         if let Some(gpu) = cuda() {
             let g = Tensor::zeros([4], (Kind::Float, gpu));
             let mut gv = g.shallow_clone();

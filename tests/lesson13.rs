@@ -155,13 +155,9 @@ shardlab::graders! {
             let params = gpt.parameters();
             for (&k, g) in &grads {
                 let p = params.get(k).ok_or_else(|| anyhow::anyhow!("rank {r}: a gradient for parameter {k}; the model has {}", params.len()))?;
-                anyhow::ensure!(
-                    g.defined() && (g.size(), g.kind()) == (p.size(), Kind::Float),
-                    "rank {r}: parameter {k}'s gradient is {:?} {:?}, want its parameter's shape {:?} Float",
-                    if g.defined() { g.size() } else { vec![] },
-                    if g.defined() { g.kind() } else { Kind::Float },
-                    p.size()
-                );
+                if let Some(e) = shardlab::grading::layout_error(g, &p.size(), Kind::Float) {
+                    anyhow::bail!("rank {r}: parameter {k}'s gradient sum is {e}: want its parameter's shape, f32");
+                }
             }
             let grads = grads.iter().map(|(&k, g)| (k, Vec::<f32>::try_from(g.reshape([-1])).unwrap())).collect();
             Ok((loss, grads))

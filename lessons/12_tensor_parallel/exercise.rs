@@ -10,8 +10,8 @@ use tch::{Kind, Tensor};
 /// and of `b` and returns its `out/t` features of y for the whole `x` (N, in): (N, out/t). No
 /// communication. `out` divides by `tp` (the grader only asks for shapes that split).
 pub fn column_parallel_linear(x: &Tensor, w: &Tensor, b: &Tensor, tp: usize, rank: usize) -> Tensor {
-    // TODO: compute this rank's out/t features of y from its rows of w and b (README,
-    // "Column-parallel: split the outputs").
+    // TODO: this rank's out/t features of y (README, "Column-parallel: split the outputs"; hints:
+    // `cargo grade 12 --hint 1`).
     todo!()
 }
 
@@ -20,8 +20,8 @@ pub fn column_parallel_linear(x: &Tensor, w: &Tensor, b: &Tensor, tp: usize, ran
 /// Multiply by this rank's columns of `w`, sum the partial outputs over the group with one
 /// all-reduce, and add the bias once: the whole y (N, out), the same on every rank.
 pub fn row_parallel_linear(pg: &ProcessGroup, x_part: &Tensor, w: &Tensor, b: &Tensor) -> CommResult<Tensor> {
-    // TODO: multiply your features of x by your columns of w, sum over the group, add the bias
-    // once (README, "Row-parallel: split the inputs").
+    // TODO: the whole y on every rank from this rank's features of x (README, "Row-parallel:
+    // split the inputs"; hints: `cargo grade 12 --hint 2`).
     todo!()
 }
 
@@ -41,9 +41,8 @@ pub fn tp_mlp(
     w_proj: &Tensor,
     b_proj: &Tensor,
 ) -> CommResult<(Tensor, Tensor, Vec<Tensor>)> {
-    // TODO: the MLP's forward and backward on your slices, with g (all-reduce forward) and f
-    // (all-reduce backward) as the only communication (README, "f and g: the MLP in two
-    // all-reduces").
+    // TODO: forward and backward on this rank's slices, communicating only through f and g
+    // (README, "f and g: the MLP in two all-reduces"; hints: `cargo grade 12 --hint 3`).
     todo!()
 }
 
@@ -53,10 +52,8 @@ pub fn tp_mlp(
 /// for this rank's columns (N, V/t) — without gathering the logits: all-reduce only what has one
 /// number per row (the row max, the sum of exponentials, the target's logit).
 pub fn vocab_parallel_cross_entropy(pg: &ProcessGroup, logits: &Tensor, targets: &Tensor) -> CommResult<(f64, Tensor)> {
-    // TODO: all-reduce the row max (Max); the sum of exp(z − max) (Sum); the target's logit from
-    // the rank whose columns hold it (Sum); loss = mean over targets ≠ −1 of log Σ + max − z_t;
-    // the gradient is (softmax − one-hot)/count on your columns, 0 on ignored rows (README,
-    // "The loss without the logits").
+    // TODO: the loss and its gradient on your columns, never gathering the logits (README, "The
+    // loss without the logits"; hints: `cargo grade 12 --hint 4`).
     todo!()
 }
 
@@ -77,8 +74,7 @@ pub fn tp_attention(
     b_proj: &Tensor,
     n_head: i64,
 ) -> CommResult<Tensor> {
-    // TODO: check the split; take this rank's heads from c_attn and the matching part of c_proj;
-    // causal attention on those heads; one all-reduce; the bias once (README, "Attention by
-    // heads: the whole block").
+    // TODO: this rank's heads, then the whole output on every rank; refuse a split that does
+    // not divide (README, "Attention by heads: the whole block"; hints: `cargo grade 12 --hint 5`).
     todo!()
 }

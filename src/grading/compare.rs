@@ -3,23 +3,32 @@
 //! would broadcast to `[n, n]` and fail with a misleading difference; a shape that does not
 //! broadcast at all would fail inside libtorch, with a message about the grader's code.
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
+
+/// Why `got` is not a `shape` tensor of kind `kind`, or `None` when it is: its shape and kind
+/// against the wanted ones, with the likely cause where one is recognisable.
+pub fn layout_error(got: &Tensor, shape: &[i64], kind: Kind) -> Option<String> {
+    if !got.defined() {
+        return Some(format!("an undefined tensor (`Tensor::new()`?), want shape {shape:?} {kind:?}"));
+    }
+    let (s, k) = (got.size(), got.kind());
+    if s == shape && k == kind {
+        return None;
+    }
+    let why = if s != shape && got.numel() as i64 == shape.iter().product::<i64>() {
+        " (the right number of elements in the wrong shape: a view or reshape too many, or too few?)"
+    } else if s != shape {
+        ""
+    } else {
+        " (a conversion too many, or one missing?)"
+    };
+    Some(format!("shape {s:?} {k:?}, want {shape:?} {kind:?}{why}"))
+}
 
 /// Panic, naming `what`, unless `got` has exactly the shape `shape` and the kind `kind`.
 pub fn assert_layout(got: &Tensor, shape: &[i64], kind: Kind, what: &str) {
-    if !got.defined() {
-        panic!("{what}: an undefined tensor (`Tensor::new()`?), want shape {shape:?} {kind:?}");
-    }
-    let (s, k) = (got.size(), got.kind());
-    if s != shape || k != kind {
-        let why = if s != shape && got.numel() as i64 == shape.iter().product::<i64>() {
-            " (the right number of elements in the wrong shape: a view or reshape too many, or too few?)"
-        } else if s != shape {
-            ""
-        } else {
-            " (a conversion too many, or one missing?)"
-        };
-        panic!("{what}: shape {s:?} {k:?}, want {shape:?} {kind:?}{why}");
+    if let Some(e) = layout_error(got, shape, kind) {
+        panic!("{what}: {e}");
     }
 }
 
@@ -38,15 +47,33 @@ pub fn max_diff(got: &Tensor, want: &Tensor, what: &str) -> f64 {
     }
 }
 
-/// Whether `a` is `b`'s memory as it stands: same device, address, shape and strides (a view of
-/// other elements, or of the same elements in another shape, is not).
+/// Where a tensor's elements are, as values taken at one moment: device, kind, address, shape and
+/// strides (`None` for an undefined tensor). Two tensors with the same `Memory` are the same
+/// elements seen the same way; a view of other elements, or of the same elements in another shape
+/// or kind, differs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Memory {
+    pub device: Device,
+    pub kind: Kind,
+    pub address: usize,
+    pub size: Vec<i64>,
+    pub stride: Vec<i64>,
+}
+
+/// `t`'s [`Memory`] now; later changes to `t` (a `set_data`, a `resize_`) do not change it.
+pub fn memory(t: &Tensor) -> Option<Memory> {
+    t.defined().then(|| Memory {
+        device: t.device(),
+        kind: t.kind(),
+        address: t.data_ptr() as usize,
+        size: t.size(),
+        stride: t.stride(),
+    })
+}
+
+/// Whether `a` is `b`'s memory as it stands (see [`Memory`]).
 pub fn same_memory(a: &Tensor, b: &Tensor) -> bool {
-    a.defined()
-        && b.defined()
-        && a.device() == b.device()
-        && a.data_ptr() == b.data_ptr()
-        && a.size() == b.size()
-        && a.stride() == b.stride()
+    a.defined() && memory(a) == memory(b)
 }
 
 #[cfg(test)]
@@ -68,5 +95,9 @@ mod tests {
         assert!(
             same_memory(&want, &want.shallow_clone()) && !same_memory(&want, &row) && !same_memory(&want, &want.copy())
         );
+        let ints = Tensor::from_slice(&[1i32, 2, 3]);
+        assert!(!same_memory(&ints, &ints.view_dtype(Kind::Float)), "another kind over the same bytes is not the same");
+        assert!(layout_error(&want, &[3], Kind::Float).is_none());
+        assert!(layout_error(&Tensor::new(), &[3], Kind::Float).unwrap().contains("undefined"));
     }
 }

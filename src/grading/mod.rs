@@ -26,7 +26,7 @@ mod exercises;
 mod progress;
 mod torch_errors;
 
-pub use compare::{assert_layout, max_diff, same_memory};
+pub use compare::{assert_layout, layout_error, max_diff, memory, same_memory, Memory};
 pub use exercises::{exercise_number, exercises, Exercise};
 pub use progress::{crate_root, grade, progress, progress_table, records_dir, LessonProgress};
 
