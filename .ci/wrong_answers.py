@@ -669,6 +669,61 @@ WRONG = [
     ("13", 4, "gradients returned flattened",
      [("    Ok((loss, grads))\n}", "    Ok((loss, grads.into_iter().map(|(k, g)| (k, g.reshape([-1]))).collect()))\n}")],
      "want its parameter's shape"),
+    ("13", 5, "only the lowest user ends with the sum",
+     [("            for &q in &users[1..] {\n                pg.send(g, q)?;\n            }\n", ""),
+      ("            pg.send(g, users[0])?;\n            pg.recv(g, users[0])?;\n", "            pg.send(g, users[0])?;\n")],
+     "every user must end with the sum"),
+    ("13", 5, "the users average where they must sum",
+     [("        if r == users[0] {\n", "        let _ = g.g_div_scalar_(users.len() as f64);\n        if r == users[0] {\n")],
+     "every user must end with the sum"),
+    ("13", 5, "every user sends its part first, then receives the others'",
+     [("""        if r == users[0] {
+            // The lowest user receives the others' parts first, then sends the sum back.
+            for &q in &users[1..] {
+                let mut part = Tensor::zeros_like(g);
+                pg.recv(&mut part, q)?;
+                let _ = g.g_add_(&part);
+            }
+            for &q in &users[1..] {
+                pg.send(g, q)?;
+            }
+        } else {
+            pg.send(g, users[0])?;
+            pg.recv(g, users[0])?;
+        }
+""", """        let mine = g.copy();
+        for &q in users.iter().filter(|&&q| q != r) {
+            pg.send(&mine, q)?;
+        }
+        for &q in users.iter().filter(|&&q| q != r) {
+            let mut part = Tensor::zeros_like(g);
+            pg.recv(&mut part, q)?;
+            let _ = g.g_add_(&part);
+        }
+""")],
+     "both send first"),
+    ("13", 5, "an all-reduce over the whole group for every shared parameter",
+     [("""        if users.len() < 2 || !users.contains(&r) {
+            continue;
+        }
+        let g = grads.get_mut(&k).expect("a used parameter has a gradient");
+        if r == users[0] {""", """        if users.len() < 2 {
+            continue;
+        }
+        if !users.contains(&r) {
+            let shape = if k == 0 { vec![2i64, 3] } else { vec![4] };
+            let mut zero = Tensor::zeros(shape.as_slice(), (Kind::Float, tch::Device::Cpu));
+            pg.all_reduce(&mut zero, shardlab::comm::ReduceOp::Sum)?;
+            continue;
+        }
+        let g = grads.get_mut(&k).expect("a used parameter has a gradient");
+        if true {
+            pg.all_reduce(g, shardlab::comm::ReduceOp::Sum)?;
+        } else if r == users[0] {""")],
+     "only a parameter's users"),
+    ("13", 5, "calls the library",
+     [("    let r = pg.rank();\n    let n_params", "    use shardlab::pipeline::run_pipeline as _;\n    let r = pg.rank();\n    let n_params")],
+     "write it yourself"),
     ("15", 1, "plain least squares: the largest message decides the intercept",
      [("        let w = 1.0 / (t * t);", "        let w = 1.0;")],
      "relative error over every point"),

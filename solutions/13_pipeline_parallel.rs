@@ -190,3 +190,38 @@ pub fn run_rank(
     }
     Ok((loss, grads))
 }
+
+/// Exercise 5 — the tied parameters' exchange, after the step. `used[q]` lists the parameters (by
+/// index) that rank q's stages use, for every rank q of `pg`; `grads` holds this rank's gradient
+/// sums (as `run_rank` returns them). A parameter used by more than one rank (the GPT's `wte`, on
+/// ranks 0 and p − 1) must end with the sum of its users' gradients on every one of them, in its
+/// parameter's shape; every other gradient stays as it is. Only a parameter's
+/// users talk, with `send` and `recv` (a rank that shares nothing sends and receives nothing), and
+/// in an order that never deadlocks where a send blocks until it is read.
+pub fn sum_tied(pg: &ProcessGroup, grads: &mut BTreeMap<usize, Tensor>, used: &[Vec<usize>]) -> CommResult<()> {
+    let r = pg.rank();
+    let n_params = used.iter().flatten().map(|&k| k + 1).max().unwrap_or(0);
+    for k in 0..n_params {
+        // Every rank walks the same parameters in the same order, so the users of each meet.
+        let users: Vec<usize> = (0..used.len()).filter(|&q| used[q].contains(&k)).collect();
+        if users.len() < 2 || !users.contains(&r) {
+            continue;
+        }
+        let g = grads.get_mut(&k).expect("a used parameter has a gradient");
+        if r == users[0] {
+            // The lowest user receives the others' parts first, then sends the sum back.
+            for &q in &users[1..] {
+                let mut part = Tensor::zeros_like(g);
+                pg.recv(&mut part, q)?;
+                let _ = g.g_add_(&part);
+            }
+            for &q in &users[1..] {
+                pg.send(g, q)?;
+            }
+        } else {
+            pg.send(g, users[0])?;
+            pg.recv(g, users[0])?;
+        }
+    }
+    Ok(())
+}

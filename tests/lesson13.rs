@@ -12,13 +12,14 @@ mod solution_code;
 
 use shardlab::pipeline::{Op, Schedule, Slot};
 use shardlab::prelude::*;
+use std::collections::BTreeMap;
 
 shardlab::graders! {
     lesson: "13", exercise_file: "lessons/13_pipeline_parallel/exercise.rs";
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["pipeline::schedule", "Schedule", "OneFOneB", "pipeline::interleaved", "ChunkOp"], &["simulate_plans", "simulate_chunks", "simulate_timed", "pipeline::Timeline", "pipeline::simulate"], &["pipeline::partition", "executor::partition"], &["run_pipeline", "pipeline_step", "pipeline::executor", "PipelineStep"]];
+    const TWINS: &[&[&str]] = &[&["pipeline::schedule", "Schedule", "OneFOneB", "pipeline::interleaved", "ChunkOp"], &["simulate_plans", "simulate_chunks", "simulate_timed", "pipeline::Timeline", "pipeline::simulate"], &["pipeline::partition", "executor::partition"], &["run_pipeline", "pipeline_step", "pipeline::executor", "PipelineStep"], &["run_pipeline", "pipeline_step", "pipeline::executor", "PipelineStep", "executor::sum_tied"]];
 
     fn f(i: usize) -> Op {
         Op::Forward(i)
@@ -257,6 +258,116 @@ shardlab::graders! {
         let out = run_ranks(opts, Schedule::OneFOneB, 4, cfg, big);
         let want = Gpt::new(cfg, 9).unwrap().loss(&batch).double_value(&[]);
         assert!((out[3].0 - want).abs() < 1e-5, "1F1B over TCP: the last rank's loss is {}, one process's {want}", out[3].0);
+    }
+
+    /// Rank r's part of parameter k in the exchange's tests: small integers, distinct per rank
+    /// and parameter, so that every sum is exact in f32; parameter 0 is (2, 3), the others (4,).
+    fn small_part(r: usize, k: usize) -> Tensor {
+        let shape: &[i64] = if k == 0 { &[2, 3] } else { &[4] };
+        Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu)).reshape(shape)
+            + (100 * (r + 1) + 10 * k) as f64
+    }
+
+    /// Parameter 0 is 8 MiB, (2048, 1024) f32, filled with r + 1; the others as `small_part`.
+    fn big_part(r: usize, k: usize) -> Tensor {
+        if k == 0 {
+            Tensor::full([2048, 1024], (r + 1) as f64, (Kind::Float, Device::Cpu))
+        } else {
+            small_part(r, k)
+        }
+    }
+
+    /// Every rank runs the learner's `sum_tied` on its parts of the parameters `used[r]`, then
+    /// checks what it holds against the sum over each parameter's users; returns each rank's
+    /// bytes sent and received.
+    fn exchange(opts: SpawnOptions, used: Vec<Vec<usize>>, part: fn(usize, usize) -> Tensor) -> Vec<(u64, u64)> {
+        let (p, at) = (opts.world_size, format!("{} ranks, used = {used:?}", opts.world_size));
+        let at2 = at.clone();
+        let out = spawn_with(opts, move |pg| {
+            let r = pg.rank();
+            let mut grads: BTreeMap<usize, Tensor> = used[r].iter().map(|&k| (k, part(r, k))).collect();
+            let before = pg.stats();
+            sum_tied(pg, &mut grads, &used)?;
+            let ran = pg.stats().since(&before);
+            let keys: Vec<usize> = grads.keys().copied().collect();
+            let mut mine = used[r].clone();
+            mine.sort_unstable();
+            anyhow::ensure!(keys == mine, "{at}, rank {r}: grads must keep exactly its parameters {mine:?}, got {keys:?}");
+            for (&k, g) in &grads {
+                let users: Vec<usize> = (0..used.len()).filter(|&q| used[q].contains(&k)).collect();
+                let want = if users.len() > 1 { users.iter().map(|&q| part(q, k)).fold(part(r, k) * 0.0, |a, b| a + b) } else { part(r, k) };
+                let d = shardlab::grading::max_diff(g, &want, &format!("{at}, rank {r}: parameter {k}'s gradient"));
+                anyhow::ensure!(
+                    d == 0.0,
+                    "{at}, rank {r}: parameter {k} (used by ranks {users:?}) is off by {d}: {}",
+                    if users.len() > 1 { "every user must end with the sum of all its users' parts" } else { "a parameter only this rank uses stays as it is" }
+                );
+            }
+            let shares = used[r].iter().any(|k| used.iter().filter(|u| u.contains(k)).count() > 1);
+            anyhow::ensure!(
+                shares || (ran.bytes_sent, ran.bytes_received) == (0, 0),
+                "{at}, rank {r} shares no parameter, yet it sent {} and received {} bytes ({}): only a parameter's users \
+                 talk (a collective over the whole group moves bytes through every rank)",
+                ran.bytes_sent,
+                ran.bytes_received,
+                ran.describe_calls()
+            );
+            Ok((ran.bytes_sent, ran.bytes_received))
+        })
+        .unwrap_or_else(|e| {
+            let e = format!("{e:#}");
+            let why = if e.contains("timed out") {
+                " — the users waited on each other until the timeout: when both send first and a send waits until it \
+                 is read, neither reads (README, \"Two neighbours that both send first\")"
+            } else {
+                ""
+            };
+            panic!("{at2}: {e}{why}")
+        });
+        assert_eq!(out.len(), p);
+        out
+    }
+
+    #[test]
+    fn ex5_tied_gradients_end_summed_on_every_user() {
+        shardlab::grading::refuse_twins(GRADER, 5, TWINS[4]);
+        let local = |p| {
+            SpawnOptions::new(p, Backend::Local)
+                .config(CommConfig::default().with_timeout(std::time::Duration::from_secs(20)))
+        };
+        // Written out by hand: ranks 0 and 3 share parameter 0, 0..6 + 100 and 0..6 + 400 → 500, 502, …, 510.
+        let want0 = Tensor::from_slice(&[500.0f32, 502.0, 504.0, 506.0, 508.0, 510.0]).reshape([2, 3]);
+        let sum0 = small_part(0, 0) + small_part(3, 0);
+        assert!(sum0.equal(&want0), "the grader's own parts: {sum0:?}");
+        // The GPT's layout on 4 ranks: wte (0) on the first and the last rank.
+        let gpt = vec![vec![0, 1, 2], vec![3, 4], vec![5], vec![0, 6]];
+        let sent = exchange(local(4), gpt.clone(), small_part);
+        // Each other user's part in, the sum back out: at most 2 (users − 1) · 24 bytes in all.
+        let total: u64 = sent.iter().map(|s| s.0).sum();
+        assert!(
+            total <= 2 * 24,
+            "{gpt:?}: {total} bytes sent in all; summing one 24-byte parameter between two users needs at most 48"
+        );
+        // Parameter 7 on three ranks, parameter 0 on two; lists in any order.
+        let three = vec![vec![7, 0, 1], vec![2], vec![3, 7], vec![0, 4, 7]];
+        let sent = exchange(local(4), three.clone(), small_part);
+        let total: u64 = sent.iter().map(|s| s.0).sum();
+        assert!(total <= 2 * 24 + 4 * 16, "{three:?}: {total} bytes sent in all; the exchange needs at most 2 (users − 1) · bytes per shared parameter, 112");
+        // One rank, and two ranks that share nothing: nothing to do.
+        exchange(local(1), vec![vec![0, 1]], small_part);
+        let none = exchange(local(2), vec![vec![0, 1], vec![2]], small_part);
+        assert!(none.iter().all(|&s| s == (0, 0)), "nothing is shared: nothing may be sent, got {none:?}");
+    }
+
+    /// An 8 MiB tied parameter between ranks 0 and 3 over TCP sockets: a send waits until its
+    /// receiver reads, so two users that both send first wait for each other.
+    #[test]
+    fn ex5_the_exchange_does_not_deadlock_where_sends_block() {
+        shardlab::grading::refuse_twins(GRADER, 5, TWINS[4]);
+        let mut config = CommConfig::default().with_timeout(std::time::Duration::from_secs(45));
+        config.transport = shardlab::comm::DataPath::Tcp;
+        let opts = SpawnOptions::new(4, Backend::Tcp).launch(Launch::Threads).config(config);
+        exchange(opts, vec![vec![0, 1], vec![2], vec![3], vec![0, 4]], big_part);
     }
 }
 
