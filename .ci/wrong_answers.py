@@ -672,10 +672,10 @@ WRONG = [
     ("13", 5, "only the lowest user ends with the sum",
      [("            for &q in &users[1..] {\n                pg.send(g, q)?;\n            }\n", ""),
       ("            pg.send(g, users[0])?;\n            pg.recv(g, users[0])?;\n", "            pg.send(g, users[0])?;\n")],
-     "every user must end with the sum"),
+     "the sum never reached it"),
     ("13", 5, "the users average where they must sum",
      [("        if r == users[0] {\n", "        let _ = g.g_div_scalar_(users.len() as f64);\n        if r == users[0] {\n")],
-     "every user must end with the sum"),
+     "do not average"),
     ("13", 5, "every user sends its part first, then receives the others'",
      [("""        if r == users[0] {
             // The lowest user receives the others' parts first, then sends the sum back.
@@ -721,6 +721,34 @@ WRONG = [
             pg.all_reduce(g, shardlab::comm::ReduceOp::Sum)?;
         } else if r == users[0] {""")],
      "only a parameter's users"),
+    ("13", 5, "rank 0 taken as the collector of every shared parameter",
+     [("        if r == users[0] {\n", "        if r == 0 {\n"),
+      ("            pg.send(g, users[0])?;\n            pg.recv(g, users[0])?;\n",
+       "            pg.send(g, 0)?;\n            pg.recv(g, 0)?;\n")],
+     "agree on who"),
+    ("13", 5, "a barrier at the end, on every rank",
+     [("    }\n    Ok(())\n}\n", "    }\n    pg.barrier()?;\n    Ok(())\n}\n")],
+     "only a parameter's users talk"),
+    ("13", 5, "each user sent the sum of the others, and adds its own part",
+     [("        if r == users[0] {\n            // The lowest user receives the others' parts first, then sends the sum back.\n            for &q in &users[1..] {\n                let mut part = Tensor::zeros_like(g);\n                pg.recv(&mut part, q)?;\n                let _ = g.g_add_(&part);\n            }\n            for &q in &users[1..] {\n                pg.send(g, q)?;\n            }\n        } else {\n            pg.send(g, users[0])?;\n            pg.recv(g, users[0])?;\n        }\n", """        if r == users[0] {
+            let mut parts = Vec::new();
+            for &q in &users[1..] {
+                let mut part = Tensor::zeros_like(g);
+                pg.recv(&mut part, q)?;
+                let _ = g.g_add_(&part);
+                parts.push(part);
+            }
+            for (&q, part) in users[1..].iter().zip(&parts) {
+                pg.send(&(&*g - part), q)?;
+            }
+        } else {
+            pg.send(g, users[0])?;
+            let mut others = Tensor::zeros_like(g);
+            pg.recv(&mut others, users[0])?;
+            let _ = g.g_add_(&others);
+        }
+""")],
+     "differs in its bits"),
     ("13", 5, "calls the library",
      [("    let r = pg.rank();\n    let n_params", "    use shardlab::pipeline::run_pipeline as _;\n    let r = pg.rank();\n    let n_params")],
      "write it yourself"),

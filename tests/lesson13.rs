@@ -19,7 +19,7 @@ shardlab::graders! {
 
     /// shardlab's own copies of what each exercise builds (exercise K: `TWINS[K - 1]`): an exercise
     /// that names one is refused ("write it yourself").
-    const TWINS: &[&[&str]] = &[&["pipeline::schedule", "Schedule", "OneFOneB", "pipeline::interleaved", "ChunkOp"], &["simulate_plans", "simulate_chunks", "simulate_timed", "pipeline::Timeline", "pipeline::simulate"], &["pipeline::partition", "executor::partition"], &["run_pipeline", "pipeline_step", "pipeline::executor", "PipelineStep"], &["run_pipeline", "pipeline_step", "pipeline::executor", "PipelineStep", "executor::sum_tied"]];
+    const TWINS: &[&[&str]] = &[&["pipeline::schedule", "Schedule", "OneFOneB", "pipeline::interleaved", "ChunkOp"], &["simulate_plans", "simulate_chunks", "simulate_timed", "pipeline::Timeline", "pipeline::simulate"], &["pipeline::partition", "executor::partition"], &["run_pipeline", "pipeline_step", "pipeline::executor", "PipelineStep"], &["run_pipeline", "pipeline_step", "pipeline::executor", "PipelineStep"]];
 
     fn f(i: usize) -> Op {
         Op::Forward(i)
@@ -268,21 +268,33 @@ shardlab::graders! {
             + (100 * (r + 1) + 10 * k) as f64
     }
 
-    /// Parameter 0 is 8 MiB, (2048, 1024) f32, filled with r + 1; the others as `small_part`.
+    /// Parts that are not integers (sin of distinct arguments): sums in f32 depend on their order.
+    fn float_part(r: usize, k: usize) -> Tensor {
+        (Tensor::arange(64, (Kind::Double, Device::Cpu)) * 0.731 + 1.37 * r as f64 + 0.113 * k as f64).sin().to_kind(Kind::Float)
+    }
+
+    /// Parameter 0 is 32 MiB, (2048, 4096) f32, filled with r + 1 (more than the sockets' buffers
+    /// hold, whatever the kernel's setting); the others as `small_part`.
     fn big_part(r: usize, k: usize) -> Tensor {
         if k == 0 {
-            Tensor::full([2048, 1024], (r + 1) as f64, (Kind::Float, Device::Cpu))
+            Tensor::full([2048, 4096], (r + 1) as f64, (Kind::Float, Device::Cpu))
         } else {
             small_part(r, k)
         }
     }
 
     /// Every rank runs the learner's `sum_tied` on its parts of the parameters `used[r]`, then
-    /// checks what it holds against the sum over each parameter's users; returns each rank's
-    /// bytes sent and received.
-    fn exchange(opts: SpawnOptions, used: Vec<Vec<usize>>, part: fn(usize, usize) -> Tensor) -> Vec<(u64, u64)> {
+    /// checks what it holds against the sum over each parameter's users (within `tol`); returns
+    /// each rank's bytes sent and its gradients after the exchange.
+    fn exchange(
+        opts: SpawnOptions,
+        used: Vec<Vec<usize>>,
+        part: fn(usize, usize) -> Tensor,
+        tol: f64,
+    ) -> Vec<(u64, BTreeMap<usize, Vec<f32>>)> {
         let (p, at) = (opts.world_size, format!("{} ranks, used = {used:?}", opts.world_size));
         let at2 = at.clone();
+        let blocking = opts.backend == Backend::Tcp;
         let out = spawn_with(opts, move |pg| {
             let r = pg.rank();
             let mut grads: BTreeMap<usize, Tensor> = used[r].iter().map(|&k| (k, part(r, k))).collect();
@@ -295,30 +307,51 @@ shardlab::graders! {
             anyhow::ensure!(keys == mine, "{at}, rank {r}: grads must keep exactly its parameters {mine:?}, got {keys:?}");
             for (&k, g) in &grads {
                 let users: Vec<usize> = (0..used.len()).filter(|&q| used[q].contains(&k)).collect();
-                let want = if users.len() > 1 { users.iter().map(|&q| part(q, k)).fold(part(r, k) * 0.0, |a, b| a + b) } else { part(r, k) };
-                let d = shardlab::grading::max_diff(g, &want, &format!("{at}, rank {r}: parameter {k}'s gradient"));
-                anyhow::ensure!(
-                    d == 0.0,
-                    "{at}, rank {r}: parameter {k} (used by ranks {users:?}) is off by {d}: {}",
-                    if users.len() > 1 { "every user must end with the sum of all its users' parts" } else { "a parameter only this rank uses stays as it is" }
-                );
+                let own = part(r, k).to_kind(Kind::Double);
+                let sum = users.iter().map(|&q| part(q, k).to_kind(Kind::Double)).fold(own.zeros_like(), |a, b| a + b);
+                let want = if users.len() > 1 { sum.shallow_clone() } else { own.shallow_clone() };
+                let d = shardlab::grading::max_diff(&g.to_kind(Kind::Double), &want, &format!("{at}, rank {r}: parameter {k}'s gradient"));
+                if d > tol {
+                    let g = g.to_kind(Kind::Double);
+                    let close = |t: &Tensor| (&g - t).abs().max().double_value(&[]) <= tol.max(1e-5);
+                    let why = if users.len() < 2 {
+                        "a parameter only this rank uses stays as it is".to_string()
+                    } else if close(&own) {
+                        "it still holds its own part: the sum never reached it".to_string()
+                    } else if close(&(&sum / users.len() as f64)) {
+                        "the mean of the parts: sum them, do not average".to_string()
+                    } else if close(&(&sum + &own)) {
+                        "its part was added twice: the sum already holds it".to_string()
+                    } else {
+                        "every user must end with the sum of all its users' parts".to_string()
+                    };
+                    anyhow::bail!("{at}, rank {r}: parameter {k} (used by ranks {users:?}) is off by {d}: {why}");
+                }
             }
             let shares = used[r].iter().any(|k| used.iter().filter(|u| u.contains(k)).count() > 1);
             anyhow::ensure!(
-                shares || (ran.bytes_sent, ran.bytes_received) == (0, 0),
-                "{at}, rank {r} shares no parameter, yet it sent {} and received {} bytes ({}): only a parameter's users \
-                 talk (a collective over the whole group moves bytes through every rank)",
-                ran.bytes_sent,
-                ran.bytes_received,
+                ran.collectives == 0 && (shares || ran.p2p == 0),
+                "{at}, rank {r}{} made {}: only a parameter's users talk, with send and recv (a collective — a barrier, \
+                 an all-reduce, or making a subgroup — runs through every rank of the group)",
+                if shares { "" } else { ", which shares no parameter," },
                 ran.describe_calls()
             );
-            Ok((ran.bytes_sent, ran.bytes_received))
+            let vals = grads.iter().map(|(&k, g)| (k, Vec::<f32>::try_from(g.reshape([-1])).unwrap())).collect();
+            Ok((ran.bytes_sent, vals))
         })
         .unwrap_or_else(|e| {
             let e = format!("{e:#}");
-            let why = if e.contains("timed out") {
+            let why = if e.contains("timed out") && blocking {
                 " — the users waited on each other until the timeout: when both send first and a send waits until it \
                  is read, neither reads (README, \"Two neighbours that both send first\")"
+            } else if e.contains("timed out") {
+                " — a rank waited for a message no user sends (in-process sends never wait): both users receive \
+                 first, or they disagree on who receives first, or on which parameters are shared"
+            } else if e.contains("sent data for") {
+                " — two users met at different parameters: walk the parameters in the same order on every rank"
+            } else if e.contains("has not received") {
+                " — a rank was sent a message it never asked for: do the users of each parameter agree on who \
+                 receives first, by a rule that depends on the users only?"
             } else {
                 ""
             };
@@ -326,6 +359,16 @@ shardlab::graders! {
         });
         assert_eq!(out.len(), p);
         out
+    }
+
+    /// The bytes all the ranks sent, against 2 (users − 1) × bytes summed over shared parameters.
+    fn check_bytes(at: &str, out: &[(u64, BTreeMap<usize, Vec<f32>>)], limit: u64) {
+        let total: u64 = out.iter().map(|o| o.0).sum();
+        assert!(
+            total <= limit,
+            "{at}: the ranks sent {total} bytes in all; the exchange needs at most 2 (users − 1) × the bytes of each \
+             shared parameter, {limit} here"
+        );
     }
 
     #[test]
@@ -339,27 +382,36 @@ shardlab::graders! {
         let want0 = Tensor::from_slice(&[500.0f32, 502.0, 504.0, 506.0, 508.0, 510.0]).reshape([2, 3]);
         let sum0 = small_part(0, 0) + small_part(3, 0);
         assert!(sum0.equal(&want0), "the grader's own parts: {sum0:?}");
-        // The GPT's layout on 4 ranks: wte (0) on the first and the last rank.
+        // The GPT's layout on 4 ranks: wte (0) on the first and the last rank; 24 bytes, 2 users.
         let gpt = vec![vec![0, 1, 2], vec![3, 4], vec![5], vec![0, 6]];
-        let sent = exchange(local(4), gpt.clone(), small_part);
-        // Each other user's part in, the sum back out: at most 2 (users − 1) · 24 bytes in all.
-        let total: u64 = sent.iter().map(|s| s.0).sum();
-        assert!(
-            total <= 2 * 24,
-            "{gpt:?}: {total} bytes sent in all; summing one 24-byte parameter between two users needs at most 48"
-        );
+        check_bytes("the GPT's layout", &exchange(local(4), gpt, small_part, 0.0), 2 * 24);
         // Parameter 7 on three ranks, parameter 0 on two; lists in any order.
         let three = vec![vec![7, 0, 1], vec![2], vec![3, 7], vec![0, 4, 7]];
-        let sent = exchange(local(4), three.clone(), small_part);
-        let total: u64 = sent.iter().map(|s| s.0).sum();
-        assert!(total <= 2 * 24 + 4 * 16, "{three:?}: {total} bytes sent in all; the exchange needs at most 2 (users − 1) · bytes per shared parameter, 112");
+        check_bytes("parameter 7 on ranks 0, 2, 3", &exchange(local(4), three, small_part, 0.0), 2 * 24 + 4 * 16);
+        // A parameter shared by ranks 1 and 3, not 0; its index above the number of entries.
+        let middle = vec![vec![0], vec![1, 8], vec![2], vec![8, 3]];
+        check_bytes("parameter 8 on ranks 1 and 3", &exchange(local(4), middle, small_part, 0.0), 2 * 16);
+        // Parts that are not integers: every user must hold the same bits (the copies stay equal).
+        let floats = vec![vec![5, 0], vec![1], vec![5, 2], vec![5, 0, 3]];
+        let out = exchange(local(4), floats, float_part, 1e-5);
+        for k in [0usize, 5] {
+            let copies: Vec<(usize, &Vec<f32>)> = out.iter().enumerate().filter_map(|(r, o)| o.1.get(&k).map(|v| (r, v))).collect();
+            for (r, v) in &copies[1..] {
+                let same = v.iter().zip(copies[0].1).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "parameter {k}: rank {r}'s sum differs in its bits from rank {}'s: every user must hold the same \
+                     tensor (sums added in another order round differently), or the copies of a tied weight drift apart",
+                    copies[0].0
+                );
+            }
+        }
         // One rank, and two ranks that share nothing: nothing to do.
-        exchange(local(1), vec![vec![0, 1]], small_part);
-        let none = exchange(local(2), vec![vec![0, 1], vec![2]], small_part);
-        assert!(none.iter().all(|&s| s == (0, 0)), "nothing is shared: nothing may be sent, got {none:?}");
+        exchange(local(1), vec![vec![0, 1]], small_part, 0.0);
+        check_bytes("nothing shared", &exchange(local(2), vec![vec![0, 1], vec![2]], small_part, 0.0), 0);
     }
 
-    /// An 8 MiB tied parameter between ranks 0 and 3 over TCP sockets: a send waits until its
+    /// A 32 MiB tied parameter between ranks 0 and 3 over TCP sockets: a send waits until its
     /// receiver reads, so two users that both send first wait for each other.
     #[test]
     fn ex5_the_exchange_does_not_deadlock_where_sends_block() {
@@ -367,7 +419,7 @@ shardlab::graders! {
         let mut config = CommConfig::default().with_timeout(std::time::Duration::from_secs(45));
         config.transport = shardlab::comm::DataPath::Tcp;
         let opts = SpawnOptions::new(4, Backend::Tcp).launch(Launch::Threads).config(config);
-        exchange(opts, vec![vec![0, 1], vec![2], vec![3], vec![0, 4]], big_part);
+        exchange(opts, vec![vec![0, 1], vec![2], vec![3], vec![0, 4]], big_part, 0.0);
     }
 }
 

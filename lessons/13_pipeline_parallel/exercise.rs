@@ -75,12 +75,12 @@ pub fn run_rank(
 }
 
 /// Exercise 5 — the tied parameters' exchange, after the step. `used[q]` lists the parameters (by
-/// index) that rank q's stages use, for every rank q of `pg`; `grads` holds this rank's gradient
-/// sums (as `run_rank` returns them). A parameter used by more than one rank (the GPT's `wte`, on
-/// ranks 0 and p − 1) must end with the sum of its users' gradients on every one of them, in its
-/// parameter's shape; every other gradient stays as it is. Only a parameter's
-/// users talk, with `send` and `recv` (a rank that shares nothing sends and receives nothing), and
-/// in an order that never deadlocks where a send blocks until it is read.
+/// index, in no particular order) that rank q's stages use, for every rank q of `pg`; `grads` holds
+/// this rank's gradient sums (as `run_rank` returns them). A parameter used by more than one rank
+/// (the GPT's `wte`, on ranks 0 and p − 1) must end with the sum of its users' gradients on every
+/// one of them, the same bits on each, in its parameter's shape; every other gradient stays as it
+/// is. Only a parameter's users talk, with `send` and `recv` (a rank that shares nothing sends and
+/// receives nothing), and in an order that never deadlocks where a send blocks until it is read.
 pub fn sum_tied(pg: &ProcessGroup, grads: &mut BTreeMap<usize, Tensor>, used: &[Vec<usize>]) -> CommResult<()> {
     // TODO: for each parameter with several users, every user ends with the sum (README, "Tied
     // embeddings on the first and last rank"; hints: `cargo grade 13 --hint 5`).
