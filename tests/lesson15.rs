@@ -266,90 +266,99 @@ shardlab::graders! {
         let mut opts = shardlab::launch::SpawnOptions::new(2, Backend::Local);
         opts.config.all_reduce_algo = Algo::Ring;
         let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
-        let ranks = shardlab::launch::spawn_with(opts, move |pg| {
-            let cfg = shardlab::model::GptConfig { vocab_size: 256, block_size: 32, n_layer: 2, n_head: 4, n_embd: 128 };
-            let model = shardlab::model::Gpt::new(cfg, 1)?;
-            let sizes: Vec<usize> = shardlab::model::Model::parameters(&model).iter().map(|p| p.numel() * 4).collect();
-            let mut dp = shardlab::ddp::DdpBucketed::new(pg, Box::new(model), cap)?;
-            let numels: Vec<i64> = dp.bucket_params().iter().map(|b| b.iter().map(|&i| (sizes[i] / 4) as i64).sum()).collect();
-            let data = shardlab::data::synthetic_corpus(4000, 7);
-            let sampler = shardlab::data::DistributedSampler::new(8, 32, pg.rank(), 2, 3)?;
-            let cfg = shardlab::optim::StepConfig::lr(0.1);
-            shardlab::ddp::train_step(&mut dp, &mut shardlab::optim::Sgd, &sampler.batch(&data, 0), 1, cfg)?;
-            let before = pg.stats();
-            shardlab::ddp::train_step(&mut dp, &mut shardlab::optim::Sgd, &sampler.batch(&data, 1), 1, cfg)?;
-            let step = pg.stats().since(&before);
-            // Seconds of `reps` rounds of all-reduces (f32, average, as DDP runs them) of
-            // tensors of `numels`, one after another: the median round.
-            // Rounds of all-reduces (f32, average, as DDP runs them), each round one after another
-            // on buffers of its own. The link's rounds: up to 64 all-reduces of one size, each size
-            // a bucket has (fit the range your messages live in; 2 MiB a round from 32 KiB up, as
-            // the step's 1.7 MB: one buffer reused would stay in the cache). The step's round: its
-            // buckets. The rounds take turns, 31 times (after 3 to warm up), so that a slower
-            // moment of the machine falls on all of them; each round's time is its median.
-            let mut sizes_fit = numels.clone();
-            sizes_fit.sort();
-            sizes_fit.dedup();
-            let mut rounds: Vec<Vec<i64>> = sizes_fit.iter().map(|&n| vec![n; ((512 << 10) / n).min(64) as usize]).collect();
-            rounds.push(numels.clone());
-            let mut flats: Vec<Vec<tch::Tensor>> = rounds
-                .iter()
-                .map(|r| r.iter().map(|&n| tch::Tensor::ones([n], (tch::Kind::Float, tch::Device::Cpu))).collect())
-                .collect();
-            let mut times = vec![Vec::new(); rounds.len()];
-            for rep in 0..34 {
-                for (round, t) in flats.iter_mut().zip(times.iter_mut()) {
-                    pg.barrier()?;
-                    let t0 = std::time::Instant::now();
-                    for f in round.iter_mut() {
-                        pg.all_reduce(f, ReduceOp::Avg)?;
-                    }
-                    if rep >= 3 {
-                        t.push(t0.elapsed().as_secs_f64());
+        // A busy moment can still land on the step's round more than on the link's: up to three
+        // tries, each measured afresh; the first within the tolerance passes (each try is printed).
+        let mut tries: Vec<String> = Vec::new();
+        let (p, measured, err, here, by) = loop {
+            let ranks = shardlab::launch::spawn_with(opts.clone(), move |pg| {
+                let cfg = shardlab::model::GptConfig { vocab_size: 256, block_size: 32, n_layer: 2, n_head: 4, n_embd: 128 };
+                let model = shardlab::model::Gpt::new(cfg, 1)?;
+                let sizes: Vec<usize> = shardlab::model::Model::parameters(&model).iter().map(|p| p.numel() * 4).collect();
+                let mut dp = shardlab::ddp::DdpBucketed::new(pg, Box::new(model), cap)?;
+                let numels: Vec<i64> = dp.bucket_params().iter().map(|b| b.iter().map(|&i| (sizes[i] / 4) as i64).sum()).collect();
+                let data = shardlab::data::synthetic_corpus(4000, 7);
+                let sampler = shardlab::data::DistributedSampler::new(8, 32, pg.rank(), 2, 3)?;
+                let cfg = shardlab::optim::StepConfig::lr(0.1);
+                shardlab::ddp::train_step(&mut dp, &mut shardlab::optim::Sgd, &sampler.batch(&data, 0), 1, cfg)?;
+                let before = pg.stats();
+                shardlab::ddp::train_step(&mut dp, &mut shardlab::optim::Sgd, &sampler.batch(&data, 1), 1, cfg)?;
+                let step = pg.stats().since(&before);
+                // Seconds of `reps` rounds of all-reduces (f32, average, as DDP runs them) of
+                // tensors of `numels`, one after another: the median round.
+                // Rounds of all-reduces (f32, average, as DDP runs them), each round one after another
+                // on buffers of its own. The link's rounds: up to 64 all-reduces of one size, each size
+                // a bucket has (fit the range your messages live in; 2 MiB a round from 32 KiB up, as
+                // the step's 1.7 MB: one buffer reused would stay in the cache). The step's round: its
+                // buckets. The rounds take turns, 31 times (after 3 to warm up), so that a slower
+                // moment of the machine falls on all of them; each round's time is its median.
+                let mut sizes_fit = numels.clone();
+                sizes_fit.sort();
+                sizes_fit.dedup();
+                let mut rounds: Vec<Vec<i64>> = sizes_fit.iter().map(|&n| vec![n; ((512 << 10) / n).min(64) as usize]).collect();
+                rounds.push(numels.clone());
+                let mut flats: Vec<Vec<tch::Tensor>> = rounds
+                    .iter()
+                    .map(|r| r.iter().map(|&n| tch::Tensor::ones([n], (tch::Kind::Float, tch::Device::Cpu))).collect())
+                    .collect();
+                let mut times = vec![Vec::new(); rounds.len()];
+                for rep in 0..34 {
+                    for (round, t) in flats.iter_mut().zip(times.iter_mut()) {
+                        pg.barrier()?;
+                        let t0 = std::time::Instant::now();
+                        for f in round.iter_mut() {
+                            pg.all_reduce(f, ReduceOp::Avg)?;
+                        }
+                        if rep >= 3 {
+                            t.push(t0.elapsed().as_secs_f64());
+                        }
                     }
                 }
-            }
-            let median = |mut t: Vec<f64>| {
-                t.sort_by(f64::total_cmp);
-                t[t.len() / 2]
+                let median = |mut t: Vec<f64>| {
+                    t.sort_by(f64::total_cmp);
+                    t[t.len() / 2]
+                };
+                let mut medians: Vec<f64> = times.into_iter().map(median).collect();
+                let step_s = medians.pop().unwrap_or(0.0);
+                let points: Vec<(f64, f64)> =
+                    sizes_fit.iter().zip(&rounds).zip(medians).map(|((&n, r), t)| ((n * 4) as f64, t / r.len() as f64)).collect();
+                Ok((sizes, numels.len(), step.bytes_sent, step.calls(OpKind::AllReduce), points, step_s))
+            })
+            .expect("two thread ranks training a small GPT");
+            let (sizes, buckets) = (&ranks[0].0, ranks[0].1);
+            // Each point and the step: the slower rank's time.
+            let points: Vec<(f64, f64)> = ranks[0].4.iter().zip(&ranks[1].4).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
+            let points = &points;
+            let mine = std::panic::catch_unwind(|| fit_alpha_beta(points, 2));
+            let (fit, by) = match mine {
+                Ok(Ok(ab)) => (ab, "your exercise 1"),
+                Ok(Err(e)) => panic!("your exercise 1 refused this machine's points {points:?}: {e}"),
+                // A `todo!()`: exercise 1 is not started, so the grader fits.
+                Err(p) if shardlab::grading::payload_message(&*p).contains("not yet implemented") => {
+                    (grader_fit(points), "the grader's fit (exercise 1 is not done)")
+                }
+                Err(p) => std::panic::resume_unwind(p),
             };
-            let mut medians: Vec<f64> = times.into_iter().map(median).collect();
-            let step_s = medians.pop().unwrap_or(0.0);
-            let points: Vec<(f64, f64)> =
-                sizes_fit.iter().zip(&rounds).zip(medians).map(|((&n, r), t)| ((n * 4) as f64, t / r.len() as f64)).collect();
-            Ok((sizes, numels.len(), step.bytes_sent, step.calls(OpKind::AllReduce), points, step_s))
-        })
-        .expect("two thread ranks training a small GPT");
-        let (sizes, buckets) = (&ranks[0].0, ranks[0].1);
-        // Each point and the step: the slower rank's time.
-        let points: Vec<(f64, f64)> = ranks[0].4.iter().zip(&ranks[1].4).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
-        let points = &points;
-        let mine = std::panic::catch_unwind(|| fit_alpha_beta(points, 2));
-        let (fit, by) = match mine {
-            Ok(Ok(ab)) => (ab, "your exercise 1"),
-            Ok(Err(e)) => panic!("your exercise 1 refused this machine's points {points:?}: {e}"),
-            // A `todo!()`: exercise 1 is not started, so the grader fits.
-            Err(p) if shardlab::grading::payload_message(&*p).contains("not yet implemented") => {
-                (grader_fit(points), "the grader's fit (exercise 1 is not done)")
+            let here = Link { alpha: fit.0, bytes_per_s: fit.1 };
+            let p = predict_ddp_comm(sizes, cap, 2, here).unwrap_or_else(|e| panic!("this machine's step ({sizes:?}, buckets of {cap} B): {e}"));
+            assert_eq!(p.messages, buckets, "the real DdpBucketed built {buckets} buckets of 256 KiB for this GPT's {} parameters; you predicted {}", sizes.len(), p.messages);
+            for (rank, (_, _, sent, reduces, _, _)) in ranks.iter().enumerate() {
+                // The step also runs the optimizer's one small all-reduce (global norm, non-finite
+                // check: a few numbers), left out of the prediction.
+                assert_eq!(*reduces, buckets as u64 + 1, "rank {rank}: one all-reduce per bucket and the optimizer's one");
+                let sent = *sent as f64;
+                assert!(
+                    (p.bytes_per_rank - sent).abs() <= 64.0,
+                    "rank {rank} really sent {sent} bytes in the step; you predicted {} (the optimizer's all-reduce adds under 64)",
+                    p.bytes_per_rank
+                );
             }
-            Err(p) => std::panic::resume_unwind(p),
+            let measured = ranks.iter().map(|r| r.5).fold(0.0, f64::max);
+            let err = p.seconds / measured - 1.0;
+            tries.push(format!("{:+.0}%", err * 100.0));
+            if err.abs() <= TIME_TOLERANCE || tries.len() == 3 {
+                break (p, measured, err, here, by);
+            }
         };
-        let here = Link { alpha: fit.0, bytes_per_s: fit.1 };
-        let p = predict_ddp_comm(sizes, cap, 2, here).unwrap_or_else(|e| panic!("this machine's step ({sizes:?}, buckets of {cap} B): {e}"));
-        assert_eq!(p.messages, buckets, "the real DdpBucketed built {buckets} buckets of 256 KiB for this GPT's {} parameters; you predicted {}", sizes.len(), p.messages);
-        for (rank, (_, _, sent, reduces, _, _)) in ranks.iter().enumerate() {
-            // The step also runs the optimizer's one small all-reduce (global norm, non-finite
-            // check: a few numbers), left out of the prediction.
-            assert_eq!(*reduces, buckets as u64 + 1, "rank {rank}: one all-reduce per bucket and the optimizer's one");
-            let sent = *sent as f64;
-            assert!(
-                (p.bytes_per_rank - sent).abs() <= 64.0,
-                "rank {rank} really sent {sent} bytes in the step; you predicted {} (the optimizer's all-reduce adds under 64)",
-                p.bytes_per_rank
-            );
-        }
-        let measured = ranks.iter().map(|r| r.5).fold(0.0, f64::max);
-        let err = p.seconds / measured - 1.0;
         println!("this machine, 2 thread ranks: α {:.1} µs, β {:.2} GB/s (fitted by {by})", here.alpha * 1e6, here.bytes_per_s / 1e9);
         println!(
             "one DDP step's {} all-reduces ({:.0} KB a rank): you predict {:.0} µs, measured {:.0} µs (median of 31, slower rank): {:+.1}%",
@@ -363,11 +372,12 @@ shardlab::graders! {
             err.abs() <= TIME_TOLERANCE,
             "you predicted {:.0} µs for the step's all-reduces; they took {:.0} µs here ({:+.0}%, more than ±{:.0}%). \
              The sizes and counts passed above, so look at the α and β this machine's points gave ({by}: \
-             does exercise::ex1 pass?)",
+             does exercise::ex1 pass?). Tries: {}",
             p.seconds * 1e6,
             measured * 1e6,
             err * 100.0,
             TIME_TOLERANCE * 100.0,
+            tries.join(", "),
         );
     }
 
